@@ -1,0 +1,162 @@
+"""Render a configuration to CUDA source plus its launch geometry.
+
+A template declares its own launches in comment lines of the rendered source::
+
+    // LAUNCH {"kernel": "attn_fwd", "block": [128, 1, 1], "smem": 24576, "rows_per_cta": 64, "grid_z": 1}
+    // WORKSPACE_FLOATS_PER_ROW 0
+
+Each launch runs over ``grid = (ceil(S_q / rows_per_cta), B * H, grid_z)``; launches
+run in order with the same arguments (a split-K/V kernel followed by its combine
+step, say). Every kernel takes the same argument list, see ``KERNEL_ARGS``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import jinja2
+
+from .candidate import Config
+from .resources import templates_dir
+
+KERNEL_ARGS = (
+    "const half_t* Q, const half_t* K, const half_t* V, half_t* O, float* WS, "
+    "int B, int H, int S_q, int S_k, "
+    "long long q_sb, long long q_sh, long long q_ss, "
+    "long long k_sb, long long k_sh, long long k_ss, "
+    "long long v_sb, long long v_sh, long long v_ss, "
+    "long long o_sb, long long o_sh, long long o_ss, float scale_log2"
+)
+"""The argument list every attention kernel takes. Strides are in elements; the last
+dimension is contiguous. ``scale_log2`` is the softmax scale times log2(e)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Problem-side compile-time constants: one kernel binary per variant."""
+
+    head_dim: int
+    causal: bool
+
+    def label(self) -> str:
+        return f"D{self.head_dim}{'-causal' if self.causal else ''}"
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str
+    block: tuple[int, int, int]
+    smem: int
+    rows_per_cta: int
+    grid_z: int = 1
+
+    def grid(self, batch: int, heads: int, seq_q: int) -> tuple[int, int, int]:
+        return (math.ceil(seq_q / self.rows_per_cta), batch * heads, self.grid_z)
+
+    @property
+    def threads(self) -> int:
+        return self.block[0] * self.block[1] * self.block[2]
+
+
+@dataclass(frozen=True)
+class Rendered:
+    config: Config
+    variant: Variant
+    template: str
+    source: str
+    launches: tuple[Launch, ...]
+    workspace_floats_per_row: int = 0
+
+    @property
+    def source_hash(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+    @property
+    def max_smem(self) -> int:
+        return max(launch.smem for launch in self.launches)
+
+    def workspace_floats(self, batch: int, heads: int, seq_q: int) -> int:
+        return batch * heads * seq_q * self.workspace_floats_per_row
+
+    def launch_metadata(self) -> dict:
+        return {
+            "template": self.template,
+            "config": self.config.to_dict(),
+            "variant": {"head_dim": self.variant.head_dim, "causal": self.variant.causal},
+            "launches": [
+                {"kernel": l.kernel, "block": list(l.block), "smem": l.smem, "rows_per_cta": l.rows_per_cta, "grid_z": l.grid_z}
+                for l in self.launches
+            ],
+            "workspace_floats_per_row": self.workspace_floats_per_row,
+            "kernel_args": KERNEL_ARGS,
+        }
+
+
+class RenderError(ValueError):
+    """The template rejected the configuration or declared no launch."""
+
+
+@lru_cache(maxsize=4)
+def _environment(directory: str) -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(directory),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+
+
+def template_names() -> list[str]:
+    return sorted(p.name[: -len(".cu.j2")] for p in templates_dir().glob("*.cu.j2") if not p.name.startswith("_"))
+
+
+def render(template: str, config: Config, variant: Variant) -> Rendered:
+    """Render ``templates/<template>.cu.j2`` for one configuration and variant."""
+    env = _environment(str(templates_dir()))
+    try:
+        tmpl = env.get_template(f"{template}.cu.j2")
+    except jinja2.TemplateNotFound as exc:
+        raise RenderError(f"no template {template!r} in {templates_dir()} (have: {', '.join(template_names())})") from exc
+    header = f"// evoengineer: template={template} {config.label()} HEAD_DIM={variant.head_dim} CAUSAL={int(variant.causal)}\n"
+    try:
+        body = tmpl.render(
+            **config.to_dict(),
+            HEAD_DIM=variant.head_dim,
+            CAUSAL=variant.causal,
+            KERNEL_ARGS=KERNEL_ARGS,
+            CONFIG_LABEL=config.label(),
+        )
+    except jinja2.UndefinedError as exc:
+        raise RenderError(f"template {template!r}: {exc.message}") from exc
+    except jinja2.TemplateRuntimeError as exc:  # raised by {{ raise(...) }} style guards
+        raise RenderError(f"template {template!r}: {exc}") from exc
+    source = header + body
+    launches, workspace = _parse_metadata(source)
+    if not launches:
+        raise RenderError(f"template {template!r} declared no '// LAUNCH' line")
+    return Rendered(config, variant, template, source, tuple(launches), workspace)
+
+
+def _parse_metadata(source: str) -> tuple[list[Launch], int]:
+    launches: list[Launch] = []
+    workspace = 0
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("// LAUNCH "):
+            meta = json.loads(stripped[len("// LAUNCH ") :])
+            launches.append(
+                Launch(
+                    kernel=meta["kernel"],
+                    block=tuple(meta["block"]),  # type: ignore[arg-type]
+                    smem=int(meta["smem"]),
+                    rows_per_cta=int(meta["rows_per_cta"]),
+                    grid_z=int(meta.get("grid_z", 1)),
+                )
+            )
+        elif stripped.startswith("// WORKSPACE_FLOATS_PER_ROW "):
+            workspace = int(stripped.split()[-1])
+    return launches, workspace

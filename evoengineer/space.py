@@ -1,0 +1,528 @@
+"""Load and validate a search-space YAML; enumerate its valid configurations.
+
+A space names the target GPU, the problem shapes, the template, each parameter's
+values, the constraints between them, tolerances, the timing protocol and the
+search settings. Every mistake in the file becomes a ``SpaceError`` whose text is
+one line naming the file and the key path.
+"""
+from __future__ import annotations
+
+import difflib
+import itertools
+import math
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import yaml
+
+from .candidate import Config, ParamValue
+from .render import Variant
+from .resources import builtin_spaces
+from .safe_expr import ExpressionError, SafeExpression, parse_expression
+
+STRATEGIES = ("evo", "tpe", "random", "grid")
+
+
+class SpaceError(ValueError):
+    """A space file is missing, malformed or invalid. ``str()`` is the one-line message."""
+
+    def __init__(self, path: str | Path, key: str, message: str) -> None:
+        self.path, self.key, self.message = str(path), key, message
+        super().__init__(f"{self.path}: {key}: {message}" if key else f"{self.path}: {message}")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    arch: str
+    sms: int
+    smem_per_block: int
+
+    @property
+    def arch_number(self) -> int:
+        return int(re.sub(r"\D", "", self.arch))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One problem instance: batch, heads, sequence length, head dim, causal."""
+
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    causal: bool
+
+    @property
+    def variant(self) -> Variant:
+        return Variant(self.head_dim, self.causal)
+
+    def label(self) -> str:
+        return f"B{self.batch} H{self.heads} S{self.seq} D{self.head_dim}{' causal' if self.causal else ''}"
+
+    def flops(self) -> float:
+        """Matmul FLOPs of the forward pass (QK^T and PV), halved for causal."""
+        full = 4.0 * self.batch * self.heads * self.seq * self.seq * self.head_dim
+        return full / 2 if self.causal else full
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    values: tuple[ParamValue, ...]
+
+    @property
+    def ordinal(self) -> bool:
+        """Numeric parameters are ordered: mutation moves to a neighbouring value."""
+        return all(isinstance(v, int) and not isinstance(v, bool) for v in self.values)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    expression: SafeExpression
+    why: str = ""
+
+    @property
+    def text(self) -> str:
+        return self.expression.text
+
+
+@dataclass(frozen=True)
+class Timing:
+    warmup: int = 10
+    repetitions: int = 100
+    flush_l2: bool = True
+    timeout_s: float = 10.0
+    min_time_ms: float = 20.0
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    strategy: str = "evo"
+    budget: int = 100
+    time_s: float | None = None
+    top_k: int = 5
+    population: int = 16
+    seeds: tuple[Config, ...] = ()
+
+
+@dataclass(frozen=True)
+class Space:
+    name: str
+    path: Path
+    description: str
+    target: Target
+    cases: tuple[Case, ...]
+    dtype: str
+    scale: float | None
+    template: str
+    params: tuple[Param, ...]
+    constraints: tuple[Constraint, ...]
+    atol: float
+    rtol: float
+    timing: Timing
+    search: SearchSettings
+    raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    # -- derived ---------------------------------------------------------------
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    @property
+    def variants(self) -> tuple[Variant, ...]:
+        seen: dict[Variant, None] = {}
+        for case in self.cases:
+            seen.setdefault(case.variant)
+        return tuple(seen)
+
+    def environment(self) -> dict[str, Any]:
+        """Names a constraint may use besides the parameters."""
+        dims = [c.head_dim for c in self.cases]
+        return {
+            "SMEM_LIMIT": self.target.smem_per_block,
+            "SMS": self.target.sms,
+            "ARCH": self.target.arch_number,
+            "MAX_HEAD_DIM": max(dims),
+            "MIN_HEAD_DIM": min(dims),
+        }
+
+    def total_size(self) -> int:
+        return math.prod(len(p.values) for p in self.params)
+
+    def violations(self, config: Mapping[str, ParamValue]) -> list[str]:
+        """Constraint texts that ``config`` breaks (empty when valid)."""
+        env = {**self.environment(), **config}
+        return [c.text for c in self.constraints if not c.expression(env)]
+
+    def contains(self, config: Mapping[str, ParamValue]) -> bool:
+        if set(config) != set(self.param_names):
+            return False
+        if any(config[p.name] not in p.values for p in self.params):
+            return False
+        return not self.violations(config)
+
+    def valid_configs(self) -> Iterator[Config]:
+        """Every configuration that satisfies all constraints, in a fixed order."""
+        env = self.environment()
+        names = self.param_names
+        checks = [c.expression for c in self.constraints]
+        for values in itertools.product(*(p.values for p in self.params)):
+            scope = {**env, **dict(zip(names, values))}
+            if all(check(scope) for check in checks):
+                yield Config(dict(zip(names, values)))
+
+    def valid_size(self) -> int:
+        return sum(1 for _ in self.valid_configs())
+
+    def sample(self, n: int, rng: random.Random | None = None) -> list[Config]:
+        """``n`` distinct valid configurations drawn uniformly (all of them if fewer)."""
+        rng = rng or random.Random(0)
+        valid = list(self.valid_configs())
+        return valid if n >= len(valid) else rng.sample(valid, n)
+
+    def neighbours(self, config: Config) -> list[Config]:
+        """Valid configurations one step away: an ordinal parameter moved to an adjacent
+        value, or a categorical parameter changed to another value."""
+        out: list[Config] = []
+        for p in self.params:
+            idx = p.values.index(config[p.name])
+            if p.ordinal:
+                choices = [p.values[i] for i in (idx - 1, idx + 1) if 0 <= i < len(p.values)]
+            else:
+                choices = [v for v in p.values if v != config[p.name]]
+            for value in choices:
+                candidate = config.replace(**{p.name: value})
+                if not self.violations(candidate):
+                    out.append(candidate)
+        return out
+
+
+# -- loading -------------------------------------------------------------------
+
+_TOP_KEYS = ("name", "description", "target", "problem", "template", "params", "constraints", "tolerances", "timing", "search")
+_REQUIRED_TOP = ("target", "problem", "template", "params")
+_TARGET_KEYS = ("name", "arch", "sms", "smem_per_block")
+_PROBLEM_KEYS = ("kind", "dtype", "scale", "shapes")
+_SHAPE_KEYS = ("B", "H", "S", "D", "causal")
+_TOL_KEYS = ("atol", "rtol")
+_TIMING_KEYS = ("warmup", "repetitions", "flush_l2", "timeout_s", "min_time_ms")
+_SEARCH_KEYS = ("strategy", "budget", "time", "top_k", "population", "seeds")
+_SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+def resolve_space_path(spec: str | Path, cwd: Path | None = None) -> Path:
+    """A path, or a built-in space's name (``h100``); ``spaces/l4.yaml`` falls back to the
+    built-in ``l4`` when no such file exists relative to the working directory."""
+    text = str(spec)
+    path = Path(text).expanduser()
+    if not path.is_absolute():
+        path = (cwd or Path.cwd()) / path
+    if path.is_file():
+        return path
+    builtins = builtin_spaces()
+    stem = Path(text).name
+    for suffix in (".yaml", ".yml"):
+        if stem.endswith(suffix):
+            stem = stem[: -len(suffix)]
+    if stem in builtins:
+        return builtins[stem]
+    known = ", ".join(builtins) or "none"
+    close = difflib.get_close_matches(stem, list(builtins), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise SpaceError(text, "", f"no such file and no built-in space of that name{hint}; built-in spaces: {known}")
+
+
+def load_space(spec: str | Path, cwd: Path | None = None) -> Space:
+    path = resolve_space_path(spec, cwd)
+    display = _display_path(path, cwd)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpaceError(display, "", f"cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise SpaceError(display, "", f"malformed YAML: {where}{exc.problem}") from None
+    except yaml.YAMLError as exc:
+        raise SpaceError(display, "", f"malformed YAML: {exc}") from None
+    return parse_space(data, display, path)
+
+
+def _display_path(path: Path, cwd: Path | None) -> str:
+    try:
+        return str(path.relative_to(cwd or Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
+    v = _Validator(display)
+    root = v.mapping(data, "", _TOP_KEYS, required=_REQUIRED_TOP)
+
+    name = v.string(root.get("name", Path(display).stem), "name")
+    description = v.string(root.get("description", ""), "description", allow_empty=True)
+
+    t = v.mapping(root["target"], "target", _TARGET_KEYS, required=_TARGET_KEYS)
+    arch = v.string(t["arch"], "target.arch")
+    if not re.fullmatch(r"sm_\d{2,3}a?", arch):
+        v.fail("target.arch", f"expected an arch such as sm_89 or sm_90, got {arch!r}")
+    target = Target(
+        name=v.string(t["name"], "target.name"),
+        arch=arch,
+        sms=v.integer(t["sms"], "target.sms", minimum=1),
+        smem_per_block=v.integer(t["smem_per_block"], "target.smem_per_block", minimum=1024),
+    )
+
+    pr = v.mapping(root["problem"], "problem", _PROBLEM_KEYS, required=("shapes",))
+    kind = v.string(pr.get("kind", "attention"), "problem.kind")
+    if kind != "attention":
+        v.fail("problem.kind", f"only 'attention' is supported, got {kind!r}")
+    dtype = v.string(pr.get("dtype", "fp16"), "problem.dtype")
+    if dtype != "fp16":
+        v.fail("problem.dtype", f"only 'fp16' is supported, got {dtype!r}")
+    scale = pr.get("scale")
+    if scale is not None:
+        scale = v.number(scale, "problem.scale", positive=True)
+    cases = _parse_shapes(v, pr["shapes"])
+
+    template = v.string(root["template"], "template")
+    from .render import template_names
+
+    if template not in template_names():
+        v.fail("template", f"no template {template!r}{_hint(template, template_names())}")
+
+    params = _parse_params(v, root["params"])
+    space_env_names = {"SMEM_LIMIT", "SMS", "ARCH", "MAX_HEAD_DIM", "MIN_HEAD_DIM"}
+    known = {p.name for p in params} | space_env_names
+    constraints = _parse_constraints(v, root.get("constraints", []), known)
+
+    tol = v.mapping(root.get("tolerances", {}), "tolerances", _TOL_KEYS)
+    atol = v.number(tol.get("atol", 2e-2), "tolerances.atol", positive=True)
+    rtol = v.number(tol.get("rtol", 2e-2), "tolerances.rtol", positive=True)
+
+    tm = v.mapping(root.get("timing", {}), "timing", _TIMING_KEYS)
+    timing = Timing(
+        warmup=v.integer(tm.get("warmup", 10), "timing.warmup", minimum=0),
+        repetitions=v.integer(tm.get("repetitions", 100), "timing.repetitions", minimum=1),
+        flush_l2=v.boolean(tm.get("flush_l2", True), "timing.flush_l2"),
+        timeout_s=v.number(tm.get("timeout_s", 10.0), "timing.timeout_s", positive=True),
+        min_time_ms=v.number(tm.get("min_time_ms", 20.0), "timing.min_time_ms", positive=True),
+    )
+
+    space = Space(
+        name=name,
+        path=path or Path(display),
+        description=description,
+        target=target,
+        cases=cases,
+        dtype=dtype,
+        scale=scale,
+        template=template,
+        params=params,
+        constraints=constraints,
+        atol=atol,
+        rtol=rtol,
+        timing=timing,
+        search=SearchSettings(),
+        raw=root,
+    )
+    se = v.mapping(root.get("search", {}), "search", _SEARCH_KEYS)
+    strategy = v.string(se.get("strategy", "evo"), "search.strategy")
+    if strategy not in STRATEGIES:
+        v.fail("search.strategy", f"expected one of {', '.join(STRATEGIES)}, got {strategy!r}{_hint(strategy, STRATEGIES)}")
+    time_s = None
+    if se.get("time") is not None:
+        try:
+            time_s = parse_duration(se["time"])
+        except ValueError as exc:
+            v.fail("search.time", str(exc))
+    seeds = tuple(_parse_seed(v, space, s, f"search.seeds[{i}]") for i, s in enumerate(v.sequence(se.get("seeds", []), "search.seeds")))
+    settings = SearchSettings(
+        strategy=strategy,
+        budget=v.integer(se.get("budget", 100), "search.budget", minimum=1),
+        time_s=time_s,
+        top_k=v.integer(se.get("top_k", 5), "search.top_k", minimum=1),
+        population=v.integer(se.get("population", 16), "search.population", minimum=2),
+        seeds=seeds,
+    )
+    return Space(**{**space.__dict__, "search": settings})
+
+
+def _parse_shapes(v: "_Validator", raw: Any) -> tuple[Case, ...]:
+    items = v.sequence(raw, "problem.shapes", non_empty=True)
+    cases: list[Case] = []
+    for i, item in enumerate(items):
+        key = f"problem.shapes[{i}]"
+        s = v.mapping(item, key, _SHAPE_KEYS, required=("B", "H", "S", "D"))
+        d = v.integer(s["D"], f"{key}.D", minimum=1)
+        if d not in _SUPPORTED_HEAD_DIMS:
+            v.fail(f"{key}.D", f"head dim must be one of {list(_SUPPORTED_HEAD_DIMS)}, got {d}")
+        causal_raw = s.get("causal", False)
+        flags = causal_raw if isinstance(causal_raw, list) else [causal_raw]
+        if not flags:
+            v.fail(f"{key}.causal", "expected true, false or a non-empty list of them")
+        for flag in flags:
+            cases.append(
+                Case(
+                    batch=v.integer(s["B"], f"{key}.B", minimum=1),
+                    heads=v.integer(s["H"], f"{key}.H", minimum=1),
+                    seq=v.integer(s["S"], f"{key}.S", minimum=1),
+                    head_dim=d,
+                    causal=v.boolean(flag, f"{key}.causal"),
+                )
+            )
+    return tuple(dict.fromkeys(cases))
+
+
+def _parse_params(v: "_Validator", raw: Any) -> tuple[Param, ...]:
+    mapping = v.mapping(raw, "params", None)
+    if not mapping:
+        v.fail("params", "expected a mapping of parameter name -> non-empty list of values")
+    params = []
+    for name, values in mapping.items():
+        key = f"params.{name}"
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name):
+            v.fail(key, "parameter names are UPPER_CASE identifiers (they become template variables)")
+        if not isinstance(values, list) or not values:
+            v.fail(key, f"expected a non-empty list of integers or strings, got {values!r}")
+        kinds = {type(x) for x in values}
+        if not (kinds <= {int} or kinds <= {str} or kinds <= {bool}):
+            v.fail(key, f"expected a non-empty list of integers or strings (one type), got {values!r}")
+        if len(set(values)) != len(values):
+            v.fail(key, f"values repeat: {values!r}")
+        if kinds <= {int}:
+            values = sorted(values)
+        params.append(Param(name, tuple(values)))
+    return tuple(params)
+
+
+def _parse_constraints(v: "_Validator", raw: Any, known: set[str]) -> tuple[Constraint, ...]:
+    out = []
+    for i, item in enumerate(v.sequence(raw, "constraints")):
+        key = f"constraints[{i}]"
+        why = ""
+        if isinstance(item, dict):
+            entry = v.mapping(item, key, ("expr", "why"), required=("expr",))
+            text, why = entry["expr"], v.string(entry.get("why", ""), f"{key}.why", allow_empty=True)
+        else:
+            text = item
+        if not isinstance(text, str):
+            v.fail(key, f"expected an expression string, got {text!r}")
+        try:
+            out.append(Constraint(parse_expression(text, known), why))
+        except ExpressionError as exc:
+            v.fail(key, f"{exc} in {text!r}")
+    return tuple(out)
+
+
+def _parse_seed(v: "_Validator", space: Space, raw: Any, key: str) -> Config:
+    if isinstance(raw, str):
+        try:
+            values = dict(Config.parse(raw))
+        except ValueError as exc:
+            v.fail(key, str(exc))
+    else:
+        values = dict(v.mapping(raw, key, None))
+    for name in values:
+        if name not in space.param_names:
+            v.fail(f"{key}.{name}", f"unknown parameter{_hint(name, space.param_names)}")
+    for p in space.params:  # parameters a seed leaves out take their first value
+        values.setdefault(p.name, p.values[0])
+        if values[p.name] not in p.values:
+            v.fail(f"{key}.{p.name}", f"{values[p.name]!r} is not one of {list(p.values)}")
+    broken = space.violations(values)
+    if broken:
+        v.fail(key, f"seed is outside the space: violates {broken[0]!r}")
+    return Config(values)
+
+
+def parse_duration(raw: Any) -> float:
+    """``90``, ``'90s'``, ``'15m'``, ``'1h'``, ``'1h30m'`` -> seconds."""
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool) and raw > 0:
+        return float(raw)
+    text = str(raw).strip().lower()
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([hms])", text)
+    if not parts or "".join(f"{n}{u}" for n, u in parts) != text.replace(" ", ""):
+        raise ValueError(f"expected a duration such as 90s, 15m or 1h, got {raw!r}")
+    seconds = sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+    if seconds <= 0:
+        raise ValueError(f"duration must be positive, got {raw!r}")
+    return seconds
+
+
+def _hint(word: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class _Validator:
+    """Type checks that fail with a SpaceError naming the file and key path."""
+
+    def __init__(self, display: str) -> None:
+        self.display = display
+
+    def fail(self, key: str, message: str) -> None:
+        raise SpaceError(self.display, key, message)
+
+    def mapping(self, raw: Any, key: str, allowed: Sequence[str] | None, required: Sequence[str] = ()) -> dict:
+        if raw is None and not required:
+            raw = {}
+        if not isinstance(raw, dict):
+            self.fail(key or "(top level)", f"expected a mapping, got {_describe(raw)}")
+        for name in raw:
+            if allowed is not None and name not in allowed:
+                where = f"{key}.{name}" if key else str(name)
+                self.fail(where, f"unknown key{_hint(str(name), allowed)}")
+        for name in required:
+            if name not in raw:
+                self.fail(f"{key}.{name}" if key else name, "required key is missing")
+        return raw
+
+    def sequence(self, raw: Any, key: str, non_empty: bool = False) -> list:
+        if raw is None and not non_empty:
+            return []
+        if not isinstance(raw, list) or (non_empty and not raw):
+            self.fail(key, f"expected a {'non-empty ' if non_empty else ''}list, got {_describe(raw)}")
+        return raw
+
+    def string(self, raw: Any, key: str, allow_empty: bool = False) -> str:
+        if not isinstance(raw, str) or (not allow_empty and not raw.strip()):
+            self.fail(key, f"expected a {'' if allow_empty else 'non-empty '}string, got {_describe(raw)}")
+        return raw
+
+    def integer(self, raw: Any, key: str, minimum: int | None = None) -> int:
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            self.fail(key, f"expected an integer, got {_describe(raw)}")
+        if minimum is not None and raw < minimum:
+            self.fail(key, f"expected an integer >= {minimum}, got {raw}")
+        return raw
+
+    def number(self, raw: Any, key: str, positive: bool = False) -> float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            self.fail(key, f"expected a number, got {_describe(raw)}")
+        if positive and raw <= 0:
+            self.fail(key, f"expected a positive number, got {raw}")
+        return float(raw)
+
+    def boolean(self, raw: Any, key: str) -> bool:
+        if not isinstance(raw, bool):
+            self.fail(key, f"expected true or false, got {_describe(raw)}")
+        return raw
+
+
+def _describe(raw: Any) -> str:
+    if isinstance(raw, (dict, list)):
+        return f"a {type(raw).__name__} {raw!r}"[:80]
+    return repr(raw)

@@ -1,0 +1,194 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evoengineer.candidate import Config
+from evoengineer.space import SpaceError, load_space, parse_duration, resolve_space_path
+from evoengineer.resources import builtin_spaces
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "evoengineer.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+# -- resolution ------------------------------------------------------------------
+
+
+def test_builtin_names_resolve(tmp_path: Path) -> None:
+    assert resolve_space_path("l4", tmp_path) == builtin_spaces()["l4"]
+    assert resolve_space_path("h100", tmp_path) == builtin_spaces()["h100"]
+
+
+def test_spaces_prefix_falls_back_to_builtin(tmp_path: Path) -> None:
+    assert resolve_space_path("spaces/l4.yaml", tmp_path) == builtin_spaces()["l4"]
+
+
+def test_existing_file_wins_over_builtin(tmp_path: Path) -> None:
+    local = tmp_path / "spaces" / "l4.yaml"
+    local.parent.mkdir()
+    local.write_text((REPO / "search_spaces" / "l4.yaml").read_text().replace("budget: 60", "budget: 7"))
+    assert resolve_space_path("spaces/l4.yaml", tmp_path) == local
+    assert load_space("spaces/l4.yaml", tmp_path).search.budget == 7
+
+
+def test_unknown_name_lists_builtins(tmp_path: Path) -> None:
+    with pytest.raises(SpaceError) as err:
+        resolve_space_path("l5", tmp_path)
+    assert "l4" in str(err.value) and "h100" in str(err.value)
+
+
+# -- schema errors: one line naming file and key ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "edit, key, words",
+    [
+        (lambda d: d["params"].update(BLOCK_M="abc"), "params.BLOCK_M", "non-empty list"),
+        (lambda d: d["params"].update(BLOCK_M=[]), "params.BLOCK_M", "non-empty list"),
+        (lambda d: d.update(timming={}), "timming", "did you mean 'timing'"),
+        (lambda d: d["target"].update(smem_per_blok=1), "target.smem_per_blok", "did you mean 'smem_per_block'"),
+        (lambda d: d["target"].update(sms="many"), "target.sms", "expected an integer"),
+        (lambda d: d["target"].update(arch="ampere"), "target.arch", "sm_89"),
+        (lambda d: d.update(constraints=["WARPS <= 4", "BLOCKM <= 64"]), "constraints[1]", "did you mean 'BLOCK_M'"),
+        (lambda d: d["search"]["seeds"].append({"BLOCK_M": 96}), "search.seeds[2].BLOCK_M", "not one of"),
+        (lambda d: d["search"]["seeds"].append({"PATH": "wmma", "BLOCK_M": 16, "WARPS": 8}), "search.seeds[2]", "outside the space"),
+        (lambda d: d["search"].update(strategy="evolution"), "search.strategy", "evo"),
+        (lambda d: d["search"].update(time="ten minutes"), "search.time", "duration"),
+        (lambda d: d["problem"]["shapes"][0].update(D=96), "problem.shapes[0].D", "head dim"),
+        (lambda d: d["tolerances"].update(atol=-1), "tolerances.atol", "positive"),
+        (lambda d: d.pop("params"), "params", "missing"),
+    ],
+)
+def test_schema_errors_name_file_and_key(space_file, edit, key, words) -> None:
+    path = space_file(edit)
+    with pytest.raises(SpaceError) as err:
+        load_space(path)
+    assert err.value.key == key
+    assert words in str(err.value)
+    assert str(err.value).startswith(f"{path}: {key}: ") or str(err.value).startswith(f"{path.name}: {key}: ")
+    assert "\n" not in str(err.value)
+
+
+def test_malformed_yaml_gives_line_and_column(space_file) -> None:
+    path = space_file(text="target:\n  name: x\n  arch: [sm_90\nparams: {}\n")
+    with pytest.raises(SpaceError, match=r"line \d+, column \d+"):
+        load_space(path)
+
+
+def test_cli_error_is_one_line_exit_2(space_file) -> None:
+    path = space_file(lambda d: d["params"].update(BLOCK_M="abc"))
+    proc = run_cli("check", "--space", str(path))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0] == f"error: {path}: params.BLOCK_M: expected a non-empty list of integers or strings, got 'abc'"
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_unknown_space_exit_2(tmp_path: Path) -> None:
+    proc = run_cli("check", "--space", "nope", cwd=tmp_path)
+    assert proc.returncode == 2 and "built-in spaces: h100, l4" in proc.stderr
+
+
+# -- constraints are data ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "__import__('os').system('touch {marker}')",
+        "BLOCK_M.__class__ == 1",
+        "(lambda: 1)() == 1",
+        "[x for x in (1, 2)] == [1, 2]",
+        "open('{marker}', 'w') is None",
+        "BLOCK_M ** BLOCK_N > 0",
+        "PATH[0] == 's'",
+    ],
+)
+def test_constraint_code_is_rejected_and_nothing_runs(space_file, tmp_path: Path, expr: str) -> None:
+    marker = tmp_path / "pwned"
+    path = space_file(lambda d: d.update(constraints=["WARPS <= 4", expr.format(marker=marker)]))
+    with pytest.raises(SpaceError) as err:
+        load_space(path)
+    assert err.value.key == "constraints[1]"
+    assert not marker.exists()
+
+
+def test_constraints_allow_arithmetic_min_max(space_file) -> None:
+    path = space_file(lambda d: d["constraints"].append("max(BLOCK_M, BLOCK_N) // min(BLOCK_M, BLOCK_N) <= 4 and PATH in ('scalar', 'wmma')"))
+    space = load_space(path)
+    for config in space.valid_configs():
+        big, small = max(config["BLOCK_M"], config["BLOCK_N"]), min(config["BLOCK_M"], config["BLOCK_N"])
+        assert big // small <= 4
+
+
+# -- enumeration -------------------------------------------------------------------
+
+
+def test_valid_configs_match_brute_force() -> None:
+    space = load_space("l4")
+    valid = set(space.valid_configs())
+    env = space.environment()
+    import itertools
+
+    brute = set()
+    for values in itertools.product(*(p.values for p in space.params)):
+        cfg = dict(zip(space.param_names, values))
+        ok = (
+            (cfg["WARPS"] <= cfg["BLOCK_M"] // 16 or (cfg["PATH"] == "scalar" and cfg["WARPS"] <= cfg["BLOCK_M"]))
+            and all(space_constraint(env | cfg) for space_constraint in (c.expression for c in space.constraints))
+        )
+        if ok:
+            brute.add(Config(cfg))
+    assert valid == brute
+    assert 0 < len(valid) < space.total_size()
+    for cfg in valid:
+        assert space.contains(cfg)
+        assert not (cfg["PATH"] == "wmma" and cfg["WARPS"] * 16 > cfg["BLOCK_M"])
+
+
+def test_neighbours_are_valid_and_one_step_away() -> None:
+    space = load_space("h100")
+    seed = space.search.seeds[0]
+    near = space.neighbours(seed)
+    assert near and all(space.contains(n) for n in near)
+    for n in near:
+        changed = [k for k in seed if seed[k] != n[k]]
+        assert len(changed) == 1
+        p = space.param(changed[0])
+        if p.ordinal:
+            assert abs(p.values.index(seed[changed[0]]) - p.values.index(n[changed[0]])) == 1
+
+
+def test_seeds_are_in_the_space() -> None:
+    for name in ("l4", "h100"):
+        space = load_space(name)
+        assert space.search.seeds and all(space.contains(s) for s in space.search.seeds)
+
+
+def test_shipped_shapes() -> None:
+    l4, h100 = load_space("l4"), load_space("h100")
+    assert (l4.target.arch, l4.target.sms, h100.target.arch, h100.target.sms) == ("sm_89", 58, "sm_90", 132)
+    labels = {c.label() for c in h100.cases}
+    assert {"B1 H8 S512 D64", "B4 H16 S2048 D64", "B4 H16 S2048 D128 causal"} <= labels
+    assert {"B1 H8 S512 D64", "B1 H8 S512 D64 causal"} <= {c.label() for c in l4.cases}
+
+
+@pytest.mark.parametrize("raw, seconds", [("90s", 90), ("15m", 900), ("1h30m", 5400), (45, 45)])
+def test_parse_duration(raw, seconds) -> None:
+    assert parse_duration(raw) == seconds
+
+
+def test_config_hash_and_parse() -> None:
+    a = Config(BLOCK_M=64, PATH="wmma")
+    assert a == Config(PATH="wmma", BLOCK_M=64) and hash(a) == hash(Config(PATH="wmma", BLOCK_M=64))
+    assert a.key() == Config.parse("PATH=wmma,BLOCK_M=64").key()
+    assert a.key() != a.replace(BLOCK_M=32).key()
+    assert {a: 1}[Config.parse(a.label())] == 1
