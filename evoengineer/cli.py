@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_spaces)
 
+    from . import gpu_cli, search_cli  # noqa: F401 - register their commands
+
     for register in _EXTRA_COMMANDS:
         register(sub)
     return parser

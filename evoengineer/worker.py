@@ -24,7 +24,9 @@ works) and imported by the child itself. The child starts with the parent's
 ``sys.path`` and working directory as they are when it starts (the spawn context
 copies both), so any module importable in the parent at that time is importable
 in the child; put a directory on ``sys.path`` (or ``PYTHONPATH``) before the
-worker starts to make handlers living there reachable.
+worker starts to make handlers living there reachable. As with any spawn-based
+``multiprocessing``, a script that starts workers must guard its entry point with
+``if __name__ == "__main__":``.
 
 ``device`` binds the child to one GPU: ``CUDA_VISIBLE_DEVICES`` is in the
 environment the child's interpreter is started with (the parent sets it around
@@ -309,7 +311,11 @@ class Worker:
                 self._child = self._spawn()
 
     def run(self, job: Any, timeout_s: float) -> WorkerOutcome:
-        """Run `handler(job)` in the child, waiting up to `timeout_s` for the answer."""
+        """Run `handler(job)` in the child, waiting up to `timeout_s` for the answer.
+
+        A child that is not up yet is started first; its start and `init` are
+        waited for separately, up to `start_timeout_s`.
+        """
         with self._run_lock:
             if self._closed:
                 raise RuntimeError("worker is closed")
@@ -335,7 +341,7 @@ class Worker:
             # the death and cleans up the pipe and temp file itself.
             child = self._child
             if child is not None:
-                self._kill(child.process)
+                self._kill(child.process, release=False)
         self._reap_dying(timeout=self.kill_grace_s + 1.0)
         _LIVE_WORKERS.discard(self)
 
@@ -520,21 +526,23 @@ class Worker:
         if child is None:
             return
         process = child.process
-        if graceful and process.is_alive():
-            try:
-                child.conn.send(("stop", None, None))
-            except Exception:  # noqa: BLE001
-                pass
-            process.join(timeout=self.kill_grace_s + 1.0)
-        if process.is_alive():
-            self._kill(process)
+        try:
+            if graceful and process.is_alive():
+                try:
+                    child.conn.send(("stop", None, None))
+                except Exception:  # noqa: BLE001
+                    pass
+                process.join(timeout=self.kill_grace_s + 1.0)
+        except (OSError, ValueError):
+            pass
+        self._kill(process)
         try:
             child.conn.close()
         except Exception:  # noqa: BLE001
             pass
         _unlink(child.stderr_path)
 
-    def _kill(self, process: Any) -> None:
+    def _kill(self, process: Any, *, release: bool = True) -> None:
         """SIGTERM, a short grace, SIGKILL; a process that still will not go is reaped later."""
         try:
             if process.is_alive():
@@ -543,12 +551,13 @@ class Worker:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=2.0)
-        except (OSError, ValueError):
-            pass
-        if process.exitcode is None:
+            exitcode = process.exitcode
+        except (OSError, ValueError):  # already released by another thread
+            return
+        if exitcode is None:
             with self._state_lock:
                 self._dying.append(process)
-        else:
+        elif release:
             _release(process)
 
     def _reap_dying(self, timeout: float) -> None:

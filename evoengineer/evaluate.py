@@ -1,0 +1,505 @@
+"""Correctness gate and device timing of one candidate: the one place where known
+failures become a status.
+
+The parent side (``Evaluator``) never touches the GPU: it sends jobs to a worker
+process (``worker.py``) that runs ``handle``. A kernel that crashes, hangs or
+poisons its CUDA context costs that worker, which is replaced; the result is a
+record with a status from ``STATUSES``, never an exception.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+from .candidate import Config
+from .render import Rendered, Variant
+from .space import Case, Space
+from .static import StaticReport, build_config
+
+STATUSES = ("ok", "invalid", "compile_failed", "launch_failed", "incorrect", "crashed", "timeout")
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
+EDGE_SEQS = ((1, 2, 1), (2, 3, 77), (1, 2, 5), (1, 1, 257))
+"""(batch, heads, seq) of the edge shapes every candidate is gated on besides the space's
+shapes: one token, S not a multiple of any tile, S smaller than one tile."""
+HANDLER = "evoengineer.evaluate:handle"
+
+
+@dataclass
+class CaseResult:
+    label: str
+    status: str
+    reason: str = ""
+    max_abs_err: float | None = None
+    rel_l2_err: float | None = None
+    trials: int = 0
+    seed: int | None = None
+    time: dict | None = None
+    tflops: float | None = None
+
+    @property
+    def median_us(self) -> float | None:
+        return self.time["median_us"] if self.time else None
+
+
+@dataclass
+class EvalResult:
+    """One record per candidate."""
+
+    config: dict
+    key: str
+    status: str
+    reason: str = ""
+    resources: dict = field(default_factory=dict)
+    cases: list[dict] = field(default_factory=list)
+    objective_us: float | None = None
+    eval_s: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def gate_cases(space: Space, variant: Variant) -> list[Case]:
+    """The space's shapes of this variant plus the edge shapes."""
+    cases = [c for c in space.cases if c.variant == variant]
+    cases += [Case(b, h, s, variant.head_dim, variant.causal) for b, h, s in EDGE_SEQS]
+    return list(dict.fromkeys(cases))
+
+
+def case_seed(base: int, key: str, case: Case) -> int:
+    digest = hashlib.sha256(f"{base}:{key}:{case.label()}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+# ---------------------------------------------------------------------------------
+# Child side: runs in the worker process, touches the GPU.
+# ---------------------------------------------------------------------------------
+
+_KERNELS: dict[str, Any] = {}
+
+
+def handle(job: dict) -> dict:
+    """Worker entry point: ``job["kind"]`` is info, gate, time or sdpa."""
+    kind = job["kind"]
+    try:
+        if kind == "info":
+            return gpu_info()
+        if kind == "sdpa":
+            return _sdpa_job(job)
+        launcher = _load_kernel(job["rendered"], job["cubin_path"])
+        if kind == "gate":
+            return _gate_job(launcher, job)
+        if kind == "time":
+            return _time_job(launcher, job)
+        raise ValueError(f"unknown job kind {kind!r}")
+    except _KernelFault as exc:
+        return {"status": "launch_failed", "reason": str(exc), "worker_must_restart": True}
+
+
+class _KernelFault(Exception):
+    """A CUDA error during or after a launch: the context may be poisoned."""
+
+
+def _load_kernel(rendered: Rendered, cubin_path: str) -> Any:
+    from .kernel import AttentionKernel
+
+    kernel = _KERNELS.get(cubin_path)
+    if kernel is None:
+        try:
+            kernel = AttentionKernel(rendered, cubin_path)
+        except Exception as exc:  # noqa: BLE001 - a module that fails to load is a launch failure
+            raise _KernelFault(f"module load failed: {exc}") from exc
+        _KERNELS[cubin_path] = kernel
+    return kernel
+
+
+def _sync(stream: Any = None) -> None:
+    import torch
+
+    try:
+        (stream or torch.cuda.current_stream()).synchronize()
+    except Exception as exc:  # noqa: BLE001 - CUDA errors surface here as RuntimeError or CUDADriverError
+        raise _KernelFault(f"CUDA error: {str(exc).splitlines()[0]}") from exc
+
+
+def _random_inputs(case: Case, seed: int) -> tuple[Any, Any, Any]:
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (case.batch, case.heads, case.seq, case.head_dim)
+    return tuple(torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16) for _ in range(3))  # type: ignore[return-value]
+
+
+def reference(q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> Any:
+    """SDPA in fp32 on the same inputs."""
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, scale=scale)
+
+
+def check_output(out: Any, ref: Any, atol: float, rtol: float) -> tuple[str, float, float]:
+    """(reason or '', max abs error, relative L2 error) of ``out`` against ``ref``."""
+    import torch
+
+    outf = out.float()
+    finite = torch.isfinite(outf)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero()[0].tolist()
+        count = int((~finite).sum())
+        return f"{count} of {out.numel()} outputs not finite or never written (first at {tuple(bad)})", math.inf, math.inf
+    err = (outf - ref).abs()
+    max_abs = float(err.max())
+    rel_l2 = float(torch.linalg.vector_norm(outf - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
+    over = err > atol + rtol * ref.abs()
+    if bool(over.any()):
+        where = tuple(over.nonzero()[0].tolist())
+        return f"max abs error {max_abs:.4g} exceeds atol {atol:g} + rtol {rtol:g}*|ref| (first at {where})", max_abs, rel_l2
+    return "", max_abs, rel_l2
+
+
+def gate_launcher(launcher: Callable[..., Any], case: Case, scale: float | None, atol: float, rtol: float, seed: int, trials: int) -> CaseResult:
+    """Gate any launcher ``(q, k, v, out, scale)`` on ``trials`` fresh random draws."""
+    import torch
+
+    worst_abs, worst_l2 = 0.0, 0.0
+    for trial in range(trials):
+        q, k, v = _random_inputs(case, seed + trial)
+        ref = reference(q, k, v, case.causal, scale)
+        originals = (q.clone(), k.clone(), v.clone())
+        out = torch.full_like(q, float("nan"))
+        torch.cuda.synchronize()
+        try:
+            launcher(q, k, v, out, scale)
+        except _KernelFault:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a launch that raises is a launch failure, not a dead search
+            raise _KernelFault(f"launch failed: {str(exc).splitlines()[0]}") from exc
+        _sync()  # only the launch stream: work done elsewhere is not finished work
+        reason, max_abs, rel_l2 = check_output(out, ref, atol, rtol)
+        torch.cuda.synchronize()
+        for name, now, before in zip("qkv", (q, k, v), originals):
+            if not torch.equal(now, before):
+                reason = f"input {name} was modified by the kernel"
+        worst_abs, worst_l2 = max(worst_abs, max_abs), max(worst_l2, rel_l2)
+        if reason:
+            return CaseResult(case.label(), "incorrect", f"{case.label()}: {reason} (trial {trial}, seed {seed + trial})",
+                              worst_abs, worst_l2, trial + 1, seed)
+    return CaseResult(case.label(), "ok", "", worst_abs, worst_l2, trials, seed)
+
+
+def _gate_job(launcher: Any, job: dict) -> dict:
+    results = []
+    for case, trials in job["cases"]:
+        result = gate_launcher(launcher, case, job["scale"], job["atol"], job["rtol"], case_seed(job["seed"], job["key"], case), trials)
+        results.append(asdict(result))
+        if result.status != "ok":
+            break
+    return {"status": results[-1]["status"] if results else "ok", "cases": results}
+
+
+def input_sets(case: Case, flush_l2: bool, seed: int) -> list[tuple[Any, Any, Any, Any]]:
+    import torch
+
+    from .timing import input_sets_for_cold_l2
+
+    set_bytes = 4 * case.batch * case.heads * case.seq * case.head_dim * 2
+    sets = []
+    for i in range(input_sets_for_cold_l2(set_bytes, flush_l2)):
+        q, k, v = _random_inputs(case, seed + 1000 + i)
+        sets.append((q, k, v, torch.empty_like(q)))
+    return sets
+
+
+def timed_launch_writes_output(launcher: Callable[..., Any], case: Case, scale: float | None, atol: float, rtol: float, seed: int) -> str:
+    """Capture the launch in a CUDA graph, the way it is timed, poison the output, replay:
+    the output must be written by the replay. Work done on another stream, or only at
+    capture time, is not in the graph and leaves NaN behind."""
+    import torch
+
+    q, k, v = _random_inputs(case, seed)
+    ref = reference(q, k, v, case.causal, scale)
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launcher(q, k, v, out, scale)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            launcher(q, k, v, out, scale)
+    except Exception as exc:  # noqa: BLE001
+        raise _KernelFault(f"launch could not be captured in a CUDA graph: {str(exc).splitlines()[0]}") from exc
+    torch.cuda.synchronize()
+    out.fill_(float("nan"))
+    torch.cuda.synchronize()
+    graph.replay()
+    _sync()
+    torch.cuda.synchronize()
+    reason, _, _ = check_output(out, ref, atol, rtol)
+    return f"timed launch did not produce the output on the launch stream: {reason}" if reason else ""
+
+
+def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None, timing: dict, seed: int) -> dict:
+    from .timing import time_graph
+
+    sets = input_sets(case, timing["flush_l2"], seed)
+    ops = [lambda s=s: launcher(s[0], s[1], s[2], s[3], scale) for s in sets]
+    result = time_graph(ops, repetitions=timing["repetitions"], warmup=timing["warmup"])
+    _sync()
+    return result.to_json()
+
+
+def _time_job(launcher: Any, job: dict) -> dict:
+    case: Case = job["case"]
+    seed = case_seed(job["seed"], job["key"], case)
+    raw = lambda q, k, v, out, scale: launcher(q, k, v, out, scale, checked=False)  # noqa: E731
+    reason = timed_launch_writes_output(raw, case, job["scale"], job["atol"], job["rtol"], seed)
+    if reason:
+        return {"status": "incorrect", "reason": f"{case.label()}: {reason}"}
+    timed = time_launcher(raw, case, job["scale"], job["timing"], seed)
+    return {"status": "ok", "time": timed, "tflops": case.flops() / (timed["median_us"] * 1e-6) / 1e12}
+
+
+def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> Callable[[], Any]:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+
+    def op() -> Any:
+        with sdpa_kernel([chosen]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+    return op
+
+
+def _sdpa_job(job: dict) -> dict:
+    import torch
+
+    case: Case = job["case"]
+    out: dict[str, Any] = {}
+    sets = input_sets(case, job["timing"]["flush_l2"], job["seed"])
+    for backend in job["backends"]:
+        try:
+            ops = [sdpa_op(backend, q, k, v, case.causal, job["scale"]) for q, k, v, _ in sets]
+            timed = time_graph_safe(ops, job["timing"])
+            out[backend] = {"status": "ok", "time": timed, "tflops": case.flops() / (timed["median_us"] * 1e-6) / 1e12}
+        except Exception as exc:  # noqa: BLE001 - a backend that does not support the shape is a row, not a crash
+            torch.cuda.synchronize()
+            out[backend] = {"status": "unsupported", "reason": str(exc).splitlines()[0][:200]}
+    return {"status": "ok", "backends": out}
+
+
+def time_graph_safe(ops: Sequence[Callable[[], Any]], timing: dict) -> dict:
+    from .timing import time_graph
+
+    return time_graph(ops, repetitions=timing["repetitions"], warmup=timing["warmup"]).to_json()
+
+
+def gpu_info() -> dict:
+    import platform
+    import subprocess
+
+    import cupy
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    info: dict[str, Any] = {
+        "status": "ok",
+        "gpu": props.name,
+        "arch": f"sm_{props.major}{props.minor}",
+        "sms": props.multi_processor_count,
+        "memory_gb": round(props.total_memory / 2**30, 1),
+        "l2_mb": round(props.L2_cache_size / 2**20, 1),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cupy": cupy.__version__,
+        "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+        "cuda_driver": cupy.cuda.runtime.driverGetVersion(),
+        "python": platform.python_version(),
+    }
+    try:
+        import optuna
+
+        info["optuna"] = optuna.__version__
+    except ImportError:
+        info["optuna"] = None
+    try:
+        query = "driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit"
+        line = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", f"--id={torch.cuda.current_device()}"],
+                              capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+        info.update(dict(zip(("driver", "sm_clock", "max_sm_clock", "mem_clock", "power_limit"), (x.strip() for x in line.split(",")))))
+    except Exception:  # noqa: BLE001 - nvidia-smi is optional
+        pass
+    torch.zeros(1, device="cuda")  # the context exists before any timed job
+    return info
+
+
+# ---------------------------------------------------------------------------------
+# Parent side: no GPU here; jobs go to a worker process.
+# ---------------------------------------------------------------------------------
+
+
+class Evaluator:
+    """Evaluate configurations of a space on one GPU through a crash-isolating worker."""
+
+    def __init__(self, space: Space, *, arch: str | None = None, device: int | None = 0, seed: int = 0,
+                 gate_trials: int = 2, worker: Any = None) -> None:
+        from .worker import Worker
+
+        self.space = space
+        self.arch = arch or space.target.arch
+        self.seed = seed
+        self.gate_trials = gate_trials
+        self.worker = worker or Worker(HANDLER, device=device)
+        self._known_restarts = -1
+        self._info: dict | None = None
+        self.timing = {"warmup": space.timing.warmup, "repetitions": space.timing.repetitions, "flush_l2": space.timing.flush_l2}
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def __enter__(self) -> "Evaluator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- jobs ------------------------------------------------------------------------
+    def _run(self, job: dict, timeout_s: float) -> dict:
+        """Run one job; a dead or hung worker becomes a status."""
+        self._ensure_warm()
+        outcome = self.worker.run(job, timeout_s)
+        if outcome.status == "ok":
+            return outcome.value
+        return {"status": outcome.status, "reason": outcome.message.strip().splitlines()[-1][:300] if outcome.message else outcome.status,
+                "detail": outcome.message}
+
+    def _ensure_warm(self) -> None:
+        """A fresh worker imports torch and creates its context before any timed job."""
+        if self.worker.restarts != self._known_restarts or self._info is None:
+            outcome = self.worker.run({"kind": "info"}, 180.0)
+            self._info = outcome.value if outcome.status == "ok" else {"status": outcome.status, "reason": outcome.message}
+            self._known_restarts = self.worker.restarts
+
+    def info(self) -> dict:
+        self._ensure_warm()
+        return dict(self._info or {})
+
+    # -- evaluation -------------------------------------------------------------------
+    def build(self, config: Config) -> StaticReport:
+        return build_config(self.space.template, config, self.space.variants, self.arch, self.space.target.smem_per_block)
+
+    def evaluate(self, config: Config, report: StaticReport | None = None) -> EvalResult:
+        started = time.perf_counter()
+        result = self._evaluate(config, report)
+        result.eval_s = round(time.perf_counter() - started, 3)
+        return result
+
+    def _evaluate(self, config: Config, report: StaticReport | None) -> EvalResult:
+        space = self.space
+        base = dict(config=config.to_dict(), key=config.key())
+        if not space.contains(config):
+            broken = space.violations(config) if set(config) == set(space.param_names) else []
+            why = f"violates {broken[0]!r}" if broken else f"not in the space (parameters {sorted(space.param_names)})"
+            return EvalResult(**base, status="invalid", reason=why)
+        report = report or self.build(config)
+        resources = {"registers": report.registers, "smem": report.smem, "spill_bytes": report.spill_bytes, "arch": report.arch}
+        if report.status != "compiled":
+            return EvalResult(**base, status="compile_failed", reason=report.error, resources=resources)
+        cases: list[dict] = []
+        common = {"key": config.key(), "seed": self.seed, "scale": space.scale, "atol": space.atol, "rtol": space.rtol}
+        for variant in space.variants:
+            build = report.build(variant)
+            job = {"kind": "gate", "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, **common,
+                   "cases": [(c, self.gate_trials if c in space.cases else 1) for c in gate_cases(space, variant)]}
+            answer = self._run(job, space.timing.timeout_s)
+            cases += answer.get("cases", [])
+            if answer["status"] != "ok":
+                reason = answer.get("reason") or next((c["reason"] for c in answer.get("cases", []) if c["reason"]), "")
+                return EvalResult(**base, status=answer["status"], reason=f"{variant.label()}: {reason}" if answer["status"] != "incorrect" else reason,
+                                  resources=resources, cases=cases)
+        timed: list[dict] = []
+        for case in space.cases:
+            build = report.build(case.variant)
+            job = {"kind": "time", "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, "case": case,
+                   "timing": self.timing, **common}
+            answer = self._run(job, space.timing.timeout_s)
+            if answer["status"] != "ok":
+                return EvalResult(**base, status=answer["status"], reason=answer.get("reason", ""), resources=resources, cases=cases)
+            gate = next((c for c in cases if c["label"] == case.label()), {})
+            timed.append({**gate, "label": case.label(), "status": "ok", "time": answer["time"], "tflops": answer["tflops"]})
+        objective = math.exp(sum(math.log(c["time"]["median_us"]) for c in timed) / len(timed))
+        others = [c for c in cases if c["label"] not in {t["label"] for t in timed}]
+        return EvalResult(**base, status="ok", resources=resources, cases=timed + others, objective_us=objective)
+
+    def baseline(self, backends: Sequence[str] = SDPA_BACKENDS, cases: Sequence[Case] | None = None) -> dict[str, dict]:
+        """SDPA backends on every case: label -> backend -> {status, time, tflops} or reason."""
+        out = {}
+        for case in cases or self.space.cases:
+            job = {"kind": "sdpa", "case": case, "backends": list(backends), "timing": self.timing, "seed": self.seed, "scale": self.space.scale}
+            answer = self._run(job, max(60.0, self.space.timing.timeout_s * len(backends) * 3))
+            out[case.label()] = answer.get("backends", {b: {"status": answer["status"], "reason": answer.get("reason", "")} for b in backends})
+        return out
+
+
+def fastest_sdpa(baseline: dict[str, dict]) -> dict[str, tuple[str, float]]:
+    """label -> (backend, median µs) of the fastest supported backend."""
+    best = {}
+    for label, rows in baseline.items():
+        ok = [(b, r["time"]["median_us"]) for b, r in rows.items() if r.get("status") == "ok"]
+        if ok:
+            best[label] = min(ok, key=lambda x: x[1])
+    return best
+
+
+def retime(evaluator: Evaluator, reports: Sequence[StaticReport], rounds: int = 3, repetitions: int | None = None) -> dict:
+    """Re-time finalists interleaved with each other and with SDPA's backends, ``rounds``
+    times, with more repetitions; per case the median of the rounds' medians.
+
+    Returns ``{"candidates": {key: {label: time}}, "sdpa": {label: {backend: time}}}``.
+    """
+    import statistics
+
+    space = evaluator.space
+    timing = {**evaluator.timing, "repetitions": repetitions or evaluator.timing["repetitions"] * 2}
+    samples: dict[str, dict[str, list[float]]] = {r.config.key(): {} for r in reports}
+    sdpa_samples: dict[str, dict[str, list[float]]] = {}
+    failures: dict[str, str] = {}
+    common = {"seed": evaluator.seed, "scale": space.scale, "atol": space.atol, "rtol": space.rtol}
+    for _ in range(rounds):
+        for case in space.cases:
+            for report in reports:
+                key = report.config.key()
+                if key in failures:
+                    continue
+                build = report.build(case.variant)
+                job = {"kind": "time", "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, "case": case,
+                       "timing": timing, "key": key, **common}
+                answer = evaluator._run(job, space.timing.timeout_s * 2)
+                if answer["status"] != "ok":
+                    failures[key] = answer.get("reason", answer["status"])
+                    continue
+                samples[key].setdefault(case.label(), []).append(answer["time"]["median_us"])
+            sdpa = evaluator._run({"kind": "sdpa", "case": case, "backends": list(SDPA_BACKENDS), "timing": timing,
+                                   "seed": evaluator.seed, "scale": space.scale}, 120.0)
+            for backend, row in sdpa.get("backends", {}).items():
+                if row.get("status") == "ok":
+                    sdpa_samples.setdefault(case.label(), {}).setdefault(backend, []).append(row["time"]["median_us"])
+
+    def summarize(values: list[float]) -> dict:
+        return {"median_us": statistics.median(values), "min_us": min(values), "max_us": max(values), "rounds": len(values)}
+
+    return {
+        "candidates": {k: {label: summarize(v) for label, v in per.items()} for k, per in samples.items() if k not in failures},
+        "failures": failures,
+        "sdpa": {label: {b: summarize(v) for b, v in per.items()} for label, per in sdpa_samples.items()},
+    }

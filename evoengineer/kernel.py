@@ -1,0 +1,101 @@
+"""Load a compiled attention kernel through CuPy and launch it on torch tensors.
+
+No copies: the kernel reads the tensors' memory through their data pointers and
+strides, on torch's current stream. Only this module and ``evaluate.py`` touch
+the GPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .render import Rendered
+
+LOG2E = 1.4426950408889634
+_SMEM_DEFAULT_LIMIT = 48 * 1024
+
+
+class LaunchError(RuntimeError):
+    """The tensors do not fit the kernel (dtype, device, layout, alignment)."""
+
+
+@dataclass
+class AttentionKernel:
+    """A rendered + compiled kernel, loaded into the current CUDA context."""
+
+    rendered: Rendered
+    cubin_path: str
+
+    def __post_init__(self) -> None:
+        import cupy
+
+        self._module = cupy.RawModule(path=self.cubin_path)
+        self._functions = []
+        for launch in self.rendered.launches:
+            fn = self._module.get_function(launch.kernel)
+            if launch.smem > _SMEM_DEFAULT_LIMIT:
+                fn.max_dynamic_shared_size_bytes = launch.smem
+            self._functions.append(fn)
+        self._workspace: Any = None
+
+    def check(self, q: Any, k: Any, v: Any, out: Any) -> None:
+        """Raise LaunchError unless the tensors fit this kernel."""
+        import torch
+
+        variant = self.rendered.variant
+        for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+            if t.dtype != torch.float16:
+                raise LaunchError(f"{name}: expected float16, got {t.dtype}")
+            if not t.is_cuda:
+                raise LaunchError(f"{name}: expected a CUDA tensor, got device {t.device}")
+            if t.dim() != 4:
+                raise LaunchError(f"{name}: expected (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+            if t.shape[-1] != variant.head_dim:
+                raise LaunchError(f"{name}: kernel was built for head_dim {variant.head_dim}, got {t.shape[-1]}")
+            if t.stride(-1) != 1:
+                raise LaunchError(f"{name}: the last dimension must be contiguous (stride 1), got stride {t.stride(-1)}")
+            if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
+                raise LaunchError(f"{name}: needs a 16-byte aligned base and strides that are multiples of 8 elements")
+        if q.shape[:2] != k.shape[:2] or k.shape != v.shape or out.shape != q.shape:
+            raise LaunchError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)}")
+        if len({t.device for t in (q, k, v, out)}) != 1:
+            raise LaunchError("q, k, v and out must be on one device")
+
+    def __call__(self, q: Any, k: Any, v: Any, out: Any, scale: float | None = None, *, checked: bool = True) -> Any:
+        """Run attention(q, k, v) into ``out`` on torch's current stream; returns ``out``."""
+        import cupy
+        import torch
+
+        if checked:
+            self.check(q, k, v, out)
+        batch, heads, seq_q, head_dim = q.shape
+        seq_k = k.shape[2]
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        ws_floats = self.rendered.workspace_floats(batch, heads, seq_q)
+        ws_ptr = 0
+        if ws_floats:
+            if self._workspace is None or self._workspace.numel() < ws_floats or self._workspace.device != q.device:
+                self._workspace = torch.empty(ws_floats, dtype=torch.float32, device=q.device)
+            ws_ptr = self._workspace.data_ptr()
+        args = (
+            cupy.uint64(q.data_ptr()), cupy.uint64(k.data_ptr()), cupy.uint64(v.data_ptr()), cupy.uint64(out.data_ptr()),
+            cupy.uint64(ws_ptr),
+            cupy.int32(batch), cupy.int32(heads), cupy.int32(seq_q), cupy.int32(seq_k),
+            *(cupy.int64(s) for t in (q, k, v, out) for s in t.stride()[:3]),
+            cupy.float32(scale * LOG2E),
+        )
+        with cupy_stream(torch.cuda.current_stream(q.device)):
+            for launch, fn in zip(self.rendered.launches, self._functions):
+                fn(launch.grid(batch, heads, seq_q), launch.block, args, shared_mem=launch.smem)
+        return out
+
+
+def cupy_stream(torch_stream: Any) -> Any:
+    """CuPy's view of a torch stream (launches go where torch's work goes)."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(torch_stream, "__cuda_stream__"):
+        return from_external(torch_stream)
+    return cupy.cuda.ExternalStream(torch_stream.cuda_stream)

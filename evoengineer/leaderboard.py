@@ -1,0 +1,135 @@
+"""The ranked finalists of a run, with SDPA's backends as reference rows."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from .evaluate import SDPA_BACKENDS
+from .search import RunDir, best_results, geomean
+
+LEADERBOARD = "leaderboard.json"
+
+
+def build_leaderboard(records: list[dict], retimed: dict | None, baseline: dict, case_flops: dict[str, float], gpu: str) -> dict:
+    """Rank finalists by the geometric mean over cases of their (re-timed) median device time.
+
+    ``records``: ok results of the finalists; ``retimed``: ``evaluate.retime`` output, or
+    None to rank on the search's own timings; ``baseline``: label -> backend -> row.
+    """
+    sdpa: dict[str, dict[str, float]] = {}
+    if retimed:
+        for label, per in retimed["sdpa"].items():
+            sdpa[label] = {b: row["median_us"] for b, row in per.items()}
+    else:
+        for label, per in baseline.items():
+            sdpa[label] = {b: row["time"]["median_us"] for b, row in per.items() if row.get("status") == "ok"}
+    entries = []
+    for record in records:
+        per_case = {c["label"]: c for c in record["cases"] if c.get("time")}
+        cases = []
+        for label, case in per_case.items():
+            median = case["time"]["median_us"]
+            spread = (case["time"]["p80_us"] - case["time"]["p20_us"]) / median
+            if retimed:
+                again = retimed["candidates"].get(record["key"], {}).get(label)
+                if again is None:
+                    break
+                median = again["median_us"]
+                spread = (again["max_us"] - again["min_us"]) / median
+            cases.append({
+                "label": label, "median_us": median, "spread": spread,
+                "tflops": case_flops.get(label, 0) / (median * 1e-6) / 1e12,
+                "max_abs_err": case.get("max_abs_err"), "rel_l2_err": case.get("rel_l2_err"),
+            })
+        else:
+            entries.append({
+                "config": record["config"], "key": record["key"], "resources": record.get("resources", {}),
+                "cases": cases, "geomean_us": geomean([c["median_us"] for c in cases]),
+                "spread": max((c["spread"] for c in cases), default=0.0),
+                "tflops": geomean([c["tflops"] for c in cases if c["tflops"] > 0]),
+                "max_abs_err": max((c["max_abs_err"] or 0.0 for c in cases), default=0.0),
+                "speedup": _speedups(cases, sdpa),
+            })
+    entries.sort(key=lambda e: e["geomean_us"])
+    for rank, entry in enumerate(entries, 1):
+        entry["rank"] = rank
+    sdpa_rows = []
+    labels = [c["label"] for c in entries[0]["cases"]] if entries else list(sdpa)
+    for backend in SDPA_BACKENDS:
+        times = [sdpa.get(label, {}).get(backend) for label in labels]
+        if times and all(t is not None for t in times):
+            sdpa_rows.append({"backend": backend, "geomean_us": geomean(times),
+                              "tflops": geomean([case_flops.get(l, 0) / (t * 1e-6) / 1e12 for l, t in zip(labels, times)]),
+                              "cases": dict(zip(labels, times))})
+    return {"gpu": gpu, "retimed": bool(retimed), "entries": entries, "sdpa": sdpa_rows}
+
+
+def _speedups(cases: list[dict], sdpa: dict[str, dict[str, float]]) -> dict[str, float | None]:
+    """Per backend: geometric mean over cases of SDPA time / candidate time (> 1: faster)."""
+    out: dict[str, float | None] = {}
+    for backend in SDPA_BACKENDS:
+        ratios = [sdpa[c["label"]][backend] / c["median_us"] for c in cases if backend in sdpa.get(c["label"], {})]
+        out[backend] = geomean(ratios) if ratios and len(ratios) == len(cases) else None
+    return out
+
+
+def load_leaderboard(run_path: Path, top: int | None = None) -> dict:
+    """The run's leaderboard; a run that never reached its finalists gets one built from
+    its recorded results (marked ``retimed: false``)."""
+    run = RunDir(Path(run_path))
+    path = run.path / LEADERBOARD
+    if path.exists():
+        board = json.loads(path.read_text())
+    else:
+        baseline = json.loads((run.path / "baseline.json").read_text()) if (run.path / "baseline.json").exists() else {}
+        meta = run.meta() if (run.path / "run.json").exists() else {}
+        board = build_leaderboard(best_results(run, top or 10), None, baseline, meta.get("case_flops", {}), meta.get("gpu", {}).get("gpu", "?"))
+    if top:
+        board["entries"] = board["entries"][:top]
+    return board
+
+
+def leaderboard_table(board: dict, title: str = "") -> Table:
+    table = Table(title=title or f"leaderboard on {board['gpu']}" + ("" if board["retimed"] else " (not re-timed)"))
+    for col in ("rank", "config", "µs (geomean)", "spread", "TF/s", *(f"× {b}" for b in SDPA_BACKENDS), "regs", "smem B", "spills B", "max err"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for e in board["entries"]:
+        r = e.get("resources", {})
+        table.add_row(
+            str(e["rank"]), _short(e["config"]), f"{e['geomean_us']:.2f}", f"{e['spread'] * 100:.1f}%", f"{e['tflops']:.1f}",
+            *(f"{e['speedup'][b]:.2f}" if e["speedup"].get(b) else "-" for b in SDPA_BACKENDS),
+            str(r.get("registers", "-")), str(r.get("smem", "-")), str(r.get("spill_bytes", "-")), f"{e['max_abs_err']:.1e}",
+        )
+    for row in board["sdpa"]:
+        table.add_row("", f"[dim]SDPA {row['backend']}[/]", f"{row['geomean_us']:.2f}", "", f"{row['tflops']:.1f}",
+                      *("" for _ in SDPA_BACKENDS), "", "", "", "")
+    return table
+
+
+def _short(config: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in config.items())
+
+
+def leaderboard_csv(board: dict) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["rank", "config", "geomean_us", "spread", "tflops", *(f"speedup_{b}" for b in SDPA_BACKENDS),
+                     "registers", "smem", "spill_bytes", "max_abs_err"])
+    for e in board["entries"]:
+        r = e.get("resources", {})
+        writer.writerow([e["rank"], _short(e["config"]), f"{e['geomean_us']:.4f}", f"{e['spread']:.4f}", f"{e['tflops']:.2f}",
+                         *(f"{e['speedup'][b]:.4f}" if e["speedup"].get(b) else "" for b in SDPA_BACKENDS),
+                         r.get("registers", ""), r.get("smem", ""), r.get("spill_bytes", ""), e["max_abs_err"]])
+    for row in board["sdpa"]:
+        writer.writerow(["", f"SDPA {row['backend']}", f"{row['geomean_us']:.4f}", "", f"{row['tflops']:.2f}", *([""] * len(SDPA_BACKENDS)), "", "", "", ""])
+    return buf.getvalue()
+
+
+def is_finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)

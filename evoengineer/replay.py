@@ -1,0 +1,149 @@
+"""Replay recorded evaluations instead of running kernels: strategy tests and benchmarks.
+
+A recording is JSONL, one result per line::
+
+    {"config": {...}, "key": "...", "status": "ok", "reason": "", "objective_us": 41.2}
+
+with an optional first line ``{"header": {"space": "l4", "gpu": ...}}`` naming a built-in
+space, or ``{"header": {"space_inline": {...}}}`` carrying the space itself.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import optuna
+from optuna.trial import TrialState
+
+from .candidate import Config
+from .space import Space, load_space, parse_space
+
+NOT_RECORDED = "not in the recording"
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """The recorded outcome of one configuration."""
+
+    status: str
+    reason: str = ""
+    objective_us: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.objective_us is not None
+
+
+class ReplayEvaluator:
+    """Looks configurations up in a recording of real (or synthetic) evaluations."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.header: dict[str, Any] = {}
+        self.records: dict[Config, ReplayResult] = {}
+        with self.path.open() as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{self.path}:{lineno}: not JSON: {exc.msg}") from None
+                if not isinstance(obj, dict):
+                    raise ValueError(f"{self.path}:{lineno}: expected an object")
+                if "header" in obj:
+                    if self.records or self.header:
+                        raise ValueError(f"{self.path}:{lineno}: a header may only be the first line")
+                    self.header = dict(obj["header"] or {})
+                    continue
+                self.records[Config(obj["config"])] = _result(obj, f"{self.path}:{lineno}")
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def space_name(self) -> str | None:
+        """The space the recording covers, as its header names it."""
+        if "space" in self.header:
+            return str(self.header["space"])
+        inline = self.header.get("space_inline")
+        if isinstance(inline, Mapping):
+            return str(inline.get("name", self.path.stem))
+        return None
+
+    def space(self) -> Space:
+        """The recording's space: the inline one from the header, or the built-in it names."""
+        inline = self.header.get("space_inline")
+        if isinstance(inline, Mapping):
+            return parse_space(dict(inline), f"{self.path.name}#header")
+        if "space" in self.header:
+            return load_space(str(self.header["space"]))
+        raise ValueError(f"{self.path}: no header naming a space")
+
+    def evaluate(self, config: Mapping[str, Any]) -> ReplayResult:
+        return self.records.get(Config(config), ReplayResult("invalid", NOT_RECORDED, None))
+
+    def optimum(self) -> tuple[Config, float]:
+        """The best ``ok`` record (lowest objective)."""
+        ok = [(r.objective_us, c) for c, r in self.records.items() if r.ok]
+        if not ok:
+            raise ValueError(f"{self.path}: no ok record")
+        value, config = min(ok, key=lambda item: (item[0], item[1].key()))
+        return config, float(value)
+
+
+def _result(obj: Mapping[str, Any], where: str) -> ReplayResult:
+    status = str(obj.get("status", ""))
+    value = obj.get("objective_us")
+    if value is not None:
+        value = float(value)
+        if not math.isfinite(value):
+            value = None
+    if status == "ok" and value is None:
+        raise ValueError(f"{where}: an ok record needs a finite objective_us")
+    return ReplayResult(status, str(obj.get("reason") or ""), value)
+
+
+def run_replay(
+    space: Space,
+    sampler: optuna.samplers.BaseSampler,
+    evaluator: ReplayEvaluator,
+    n_trials: int,
+    storage: str | optuna.storages.BaseStorage | None = None,
+    study_name: str | None = None,
+) -> optuna.Study:
+    """Drive a study for ``n_trials`` with the search loop's ask/tell protocol, replaying results."""
+
+    study = optuna.create_study(
+        storage=storage, sampler=sampler, study_name=study_name, direction="minimize", load_if_exists=True
+    )
+    for _ in range(n_trials):
+        replay_trial(study, space, evaluator)
+    return study
+
+
+def replay_trial(study: optuna.Study, space: Space, evaluator: ReplayEvaluator) -> tuple[Config, ReplayResult]:
+    """One ask/suggest/evaluate/tell round on ``study``."""
+    from .strategies import suggest_config
+
+    trial = study.ask()
+    config = suggest_config(trial, space)
+    result = evaluator.evaluate(config)
+    trial.set_user_attr("status", result.status)
+    trial.set_user_attr("config_key", config.key())
+    if result.ok:
+        study.tell(trial, result.objective_us)
+    else:
+        study.tell(trial, state=TrialState.FAIL)
+    return config, result
+
+
+def evaluations_to_reach(study: optuna.Study, threshold: float) -> int | None:
+    """1-based count of trials until the first completed one with value <= ``threshold``."""
+    for i, t in enumerate(sorted(study.get_trials(deepcopy=False), key=lambda t: t.number), 1):
+        if t.state == TrialState.COMPLETE and t.value is not None and t.value <= threshold:
+            return i
+    return None

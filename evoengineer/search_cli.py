@@ -1,0 +1,298 @@
+"""Commands around the search: ``search``, ``runs``, ``leaderboard``, ``export``."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .candidate import Config
+from .cli import EXIT_FAILED, EXIT_OK, UsageError, _EXTRA_COMMANDS, _load_space
+from .evaluate import EvalResult, fastest_sdpa
+from .search import RunDir, SearchStats, best_results, geomean, open_study, recover_interrupted, run_search
+from .space import STRATEGIES, Space, parse_duration
+from .static import StaticReport
+
+DEFAULT_RUNS = Path("runs")
+
+
+class ReplayCandidates:
+    """Answers from a recording instead of a GPU (tests, demos, strategy comparisons)."""
+
+    def __init__(self, path: Path, delay_s: float = 0.0) -> None:
+        from .replay import ReplayEvaluator
+
+        self.replay = ReplayEvaluator(path)
+        self.delay_s = delay_s
+
+    def evaluate(self, config: Config, report: StaticReport | None = None) -> EvalResult:
+        started = time.perf_counter()
+        time.sleep(self.delay_s)
+        answer = self.replay.evaluate(config)
+        return EvalResult(config=config.to_dict(), key=config.key(), status=answer.status, reason=answer.reason,
+                          objective_us=answer.objective_us, eval_s=round(time.perf_counter() - started, 3))
+
+
+def _latest_run(root: Path, space: Space) -> Path:
+    runs = sorted(p for p in root.glob(f"*-{space.name}-*") if (p / "run.json").exists())
+    if not runs:
+        raise UsageError(f"--resume: no run of space {space.name!r} under {root}/; give --run-dir")
+    return runs[-1]
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    space = _load_space(args.space)
+    console = Console(highlight=False)
+    try:
+        time_s = parse_duration(args.time) if args.time else space.search.time_s
+    except ValueError as exc:
+        raise UsageError(f"--time: {exc}") from None
+    trials = args.trials or space.search.budget
+    top_k = args.top_k or space.search.top_k
+
+    # -- where results go ---------------------------------------------------------
+    if args.resume:
+        path = Path(args.run_dir) if args.run_dir else _latest_run(DEFAULT_RUNS, space)
+        if not (path / "run.json").exists():
+            raise UsageError(f"--resume: {path} is not a run directory (no run.json)")
+        run = RunDir(path)
+        meta = run.meta()
+        strategy, seed, storage = meta["strategy"], meta["seed"], meta["storage"]
+    else:
+        strategy, seed = args.strategy or space.search.strategy, args.seed
+        if args.run_dir:
+            path = Path(args.run_dir)
+            if (path / "run.json").exists():
+                raise UsageError(f"--run-dir: {path} already holds a run; add --resume to continue it")
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "sources").mkdir(exist_ok=True)
+            (path / "space.yaml").write_text(space.path.read_text())
+            run = RunDir(path)
+        else:
+            run = RunDir.create(DEFAULT_RUNS, space)
+        storage = args.storage or run.default_storage()
+        meta = {"space": space.name, "space_path": str(space.path), "strategy": strategy, "seed": seed, "storage": storage,
+                "study_name": run.path.name, "trials": trials, "time_s": time_s, "top_k": top_k,
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replay": str(args.replay) if args.replay else None}
+
+    # -- the evaluator ------------------------------------------------------------------
+    evaluator: Any
+    if args.replay:
+        evaluator = ReplayCandidates(Path(args.replay), args.replay_delay)
+        info, arch, baseline = {"gpu": f"replay of {args.replay}"}, space.target.arch, {}
+    else:
+        from .evaluate import Evaluator
+        from .gpu_cli import require_gpu
+
+        require_gpu()
+        evaluator = Evaluator(space, device=args.device, seed=seed or 0)
+        with console.status("starting the GPU worker"):
+            info = evaluator.info()
+        if info.get("status") != "ok":
+            raise UsageError(f"the GPU worker failed to start: {info.get('reason', '')}")
+        arch = info["arch"]
+        if arch != space.target.arch:
+            console.print(f"[yellow]note:[/] space {space.name} targets {space.target.name} ({space.target.arch}); "
+                          f"this GPU is {info['gpu']} ({arch}): compiling for {arch}")
+        evaluator.arch = arch
+        if args.resume and (run.path / "baseline.json").exists():
+            baseline = json.loads((run.path / "baseline.json").read_text())
+        else:
+            with console.status("timing SDPA's backends on every shape"):
+                baseline = evaluator.baseline()
+            run.write_json("baseline.json", baseline)
+    meta.update(gpu=info, arch=arch, case_flops={c.label(): c.flops() for c in space.cases})
+    run.write_meta(meta)
+    run.write_json("env.json", info)
+
+    study = open_study(space, run, strategy=strategy, seed=seed, storage=storage, study_name=meta["study_name"], resume=bool(args.resume))
+    if args.resume:
+        recovered = recover_interrupted(study, run, space)
+        if recovered:
+            console.print(f"resumed: {recovered} interrupted evaluation(s) recovered")
+    best_sdpa = fastest_sdpa(baseline)
+    sdpa_geomean = geomean([best_sdpa[c.label()][1] for c in space.cases]) if len(best_sdpa) == len(space.cases) else None
+
+    console.print(f"run [bold]{run.path}[/]  strategy {strategy}  budget {trials} evaluations"
+                  + (f" or {time_s / 60:.1f} min" if time_s else "") + f"  on {info.get('gpu')}")
+    console.print(f"study: {storage}  (optuna-dashboard {storage})")
+
+    done_before = sum(1 for r in run.results())
+    with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[best]}"), TextColumn("{task.fields[counts]}"), console=console,
+                  disable=args.quiet) as progress:
+        task = progress.add_task("search", total=trials, completed=min(done_before, trials), best="", counts="")
+
+        def on_result(result: EvalResult, stats: SearchStats) -> None:
+            best = ""
+            if stats.best:
+                best = f"best {stats.best.objective_us:.2f} µs"
+                if sdpa_geomean:
+                    best += f" ({sdpa_geomean / stats.best.objective_us:.2f}× fastest SDPA)"
+            counts = " ".join(f"{k} {v}" for k, v in stats.counts.items() if v)
+            progress.update(task, advance=1, best=best, counts=counts)
+
+        stats = run_search(space, evaluator, run, study, arch=arch, trials=trials, time_s=time_s, on_result=on_result,
+                           build=not args.replay)
+
+    summary = stats.summary()
+    finalists = best_results(run, top_k)
+    board = _finalize(run, space, evaluator, finalists, baseline, info, console, retime_rounds=0 if args.replay else args.retime_rounds)
+    if hasattr(evaluator, "close"):
+        evaluator.close()
+    meta.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), summary=summary)
+    run.write_meta(meta)
+
+    table = Table(title="search summary")
+    table.add_column("")
+    table.add_column("", justify="right")
+    table.add_row("evaluations (this session)", str(summary["evaluated"]))
+    table.add_row("evaluations per minute", str(summary["evaluations_per_minute"]))
+    table.add_row("GPU-busy share", f"{summary['gpu_busy_share'] * 100:.0f}%" if summary["gpu_busy_share"] is not None else "-")
+    for status, count in summary["counts"].items():
+        if count:
+            table.add_row(f"  {status}", str(count))
+    console.print(table)
+    from .leaderboard import leaderboard_table
+
+    if board["entries"]:
+        console.print(leaderboard_table(board))
+    console.print(f"run directory: {run.path}\nleaderboard: evoengineer leaderboard {run.path}\n"
+                  f"export: evoengineer export {run.path} --rank 1 --out best/\ndashboard: optuna-dashboard {storage}")
+    return EXIT_OK if board["entries"] else EXIT_FAILED
+
+
+def _finalize(run: RunDir, space: Space, evaluator: Any, finalists: list[dict], baseline: dict, info: dict,
+              console: Console, retime_rounds: int) -> dict:
+    from .leaderboard import LEADERBOARD, build_leaderboard
+
+    retimed = None
+    if finalists and retime_rounds:
+        from .evaluate import retime
+
+        with console.status(f"re-timing the top {len(finalists)} interleaved with SDPA ({retime_rounds} rounds)"):
+            reports = [evaluator.build(Config(r["config"])) for r in finalists]
+            retimed = retime(evaluator, reports, rounds=retime_rounds)
+        run.write_json("retimed.json", retimed)
+    flops = {c.label(): c.flops() for c in space.cases}
+    board = build_leaderboard(finalists, retimed, baseline, flops, info.get("gpu", "?"))
+    board.update(space=space.name, run=str(run.path))
+    run.write_json(LEADERBOARD, board)
+    return board
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    root = Path(args.root)
+    rows = []
+    for path in sorted(root.glob("*/run.json")):
+        meta = json.loads(path.read_text())
+        run = RunDir(path.parent)
+        results = run.results()
+        ok = [r for r in results if r["status"] == "ok"]
+        best = min((r["objective_us"] for r in ok), default=None)
+        rows.append({"run": str(path.parent), "space": meta.get("space"), "strategy": meta.get("strategy"),
+                     "gpu": (meta.get("gpu") or {}).get("gpu"), "evaluations": len(results), "ok": len(ok),
+                     "best_us": best, "finished": bool(meta.get("finished")), "started": meta.get("started")})
+    if args.json:
+        print(json.dumps(rows))
+        return EXIT_OK
+    if not rows:
+        Console().print(f"no runs under {root}/ (evoengineer search --space SPACE starts one)")
+        return EXIT_OK
+    table = Table(title=f"runs under {root}/")
+    for col in ("run", "space", "strategy", "gpu", "evaluations", "ok", "best µs", "finished"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["run"], str(r["space"]), str(r["strategy"]), str(r["gpu"]), str(r["evaluations"]), str(r["ok"]),
+                      f"{r['best_us']:.2f}" if r["best_us"] else "-", "yes" if r["finished"] else "no")
+    Console().print(table)
+    return EXIT_OK
+
+
+def _run_path(text: str) -> Path:
+    path = Path(text)
+    if not (path / "run.json").exists():
+        raise UsageError(f"{path}: not a run directory (no run.json); `evoengineer runs` lists them")
+    return path
+
+
+def cmd_leaderboard(args: argparse.Namespace) -> int:
+    from .leaderboard import leaderboard_csv, leaderboard_table, load_leaderboard
+
+    board = load_leaderboard(_run_path(args.run), args.top)
+    if args.json:
+        print(json.dumps(board))
+    elif args.csv:
+        print(leaderboard_csv(board), end="")
+    else:
+        Console(highlight=False).print(leaderboard_table(board))
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_entry
+    from .leaderboard import load_leaderboard
+
+    run = _run_path(args.run)
+    board = load_leaderboard(run)
+    entry = next((e for e in board["entries"] if e["rank"] == args.rank), None)
+    if entry is None:
+        raise UsageError(f"--rank {args.rank}: {run} has {len(board['entries'])} ranked entries")
+    written = export_entry(run, entry, board, Path(args.out))
+    console = Console(highlight=False)
+    for path in written:
+        console.print(f"wrote {path}")
+    console.print(f"use: import sys; sys.path.insert(0, '{args.out}'); from {written[0].stem} import attention")
+    return EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("search", help="search a space for the fastest correct kernel (GPU)",
+                       description="Propose valid configurations with a strategy, compile ahead in parallel, gate and "
+                       "time each on the GPU, record everything in a run directory and an Optuna study, then re-time "
+                       "the top-K interleaved with SDPA and write the leaderboard. Ctrl-C or a kill leaves a run that "
+                       "--resume continues.")
+    p.add_argument("--space", required=True, help="space YAML path or built-in name (l4, h100)")
+    p.add_argument("--strategy", choices=STRATEGIES, help="evo, tpe, random or grid (default: the space's)")
+    p.add_argument("--trials", type=int, help="evaluation budget (default: the space's search.budget)")
+    p.add_argument("--time", help="time budget such as 90s, 15m, 1h (default: the space's search.time)")
+    p.add_argument("--top-k", type=int, dest="top_k", help="finalists to re-time for the leaderboard (default: the space's)")
+    p.add_argument("--seed", type=int, default=0, help="strategy and input seed (default 0)")
+    p.add_argument("--run-dir", help="the run's directory (default runs/<date>-<space>-<id>/)")
+    p.add_argument("--storage", help="Optuna storage URL for the study (default: SQLite inside the run directory); "
+                   "several searches given one URL and --run-dir share the study")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir (default: the latest run of the space)")
+    p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    p.add_argument("--retime-rounds", type=int, default=3, help="interleaved re-timing rounds for the finalists (default 3)")
+    p.add_argument("--replay", help="answer from a recorded results file instead of a GPU (no compile, no GPU)")
+    p.add_argument("--replay-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser("runs", help="list search runs")
+    p.add_argument("--root", default=str(DEFAULT_RUNS), help="where runs live (default runs/)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("leaderboard", help="the ranked finalists of a run, with SDPA rows")
+    p.add_argument("run", help="a run directory (runs/<run>)")
+    p.add_argument("--top", type=int, help="show the first N")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument("--csv", action="store_true")
+    p.set_defaults(func=cmd_leaderboard)
+
+    p = sub.add_parser("export", help="write a drop-in kernel: source, launch metadata, a Python module")
+    p.add_argument("run", help="a run directory (runs/<run>)")
+    p.add_argument("--rank", type=int, default=1, help="leaderboard rank to export (default 1)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=cmd_export)
+
+
+_EXTRA_COMMANDS.append(register)

@@ -1,0 +1,224 @@
+"""Shared machinery of the search strategies: a space-aware Optuna sampler base.
+
+Every strategy proposes a whole configuration in ``sample_relative``. What the study
+already holds (finished trials, and running or waiting ones of other workers) is read
+back into a ``History`` so that a strategy never proposes a configuration twice while
+unseen valid ones remain. The proposal is written to the trial's system attributes at
+once (a *claim*), so that workers sharing a storage see it before the trial's parameters
+are stored.
+"""
+from __future__ import annotations
+
+import abc
+import random
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.study import Study, StudyDirection
+from optuna.trial import FrozenTrial, TrialState
+
+from ..candidate import Config
+from ..space import Space
+
+CLAIM_KEY = "evoengineer:proposal"
+"""System attribute holding ``{"config": {...}, "origin": str, "parents": [key, ...]}``."""
+
+_CONFLICT_RETRIES = 3
+_REJECTION_TRIES = 32
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A configuration a strategy proposes, how it came about and from which parents."""
+
+    config: Config
+    origin: str
+    parents: tuple[Config, ...] = ()
+
+    def to_attr(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_dict(),
+            "origin": self.origin,
+            "parents": [p.key() for p in self.parents],
+        }
+
+
+@dataclass
+class History:
+    """What a study holds, seen from one trial: configurations taken and results so far."""
+
+    seen: set[Config] = field(default_factory=set)
+    complete: list[tuple[Config, float]] = field(default_factory=list)
+    failed: list[Config] = field(default_factory=list)
+    n_trials: int = 0
+
+    def best(self, n: int) -> list[tuple[Config, float]]:
+        """The ``n`` best completed configurations, best first (``complete`` is kept sorted)."""
+        return self.complete[:n]
+
+
+def trial_config(trial: FrozenTrial, names: Sequence[str]) -> Config | None:
+    """The configuration a trial holds or is about to evaluate, if it can be told."""
+    params = trial.params
+    if all(n in params for n in names):
+        return Config({n: params[n] for n in names})
+    fixed = trial.system_attrs.get("fixed_params") or {}
+    if all(n in fixed for n in names):
+        return Config({n: fixed[n] for n in names})
+    claim = trial.system_attrs.get(CLAIM_KEY)
+    if isinstance(claim, dict):
+        values = claim.get("config") or {}
+        if all(n in values for n in names):
+            return Config({n: values[n] for n in names})
+    return None
+
+
+def read_history(study: Study, names: Sequence[str], exclude: int | None = None) -> History:
+    """Collect the study's trials (all states) except trial number ``exclude``."""
+    history = History()
+    maximize = study.direction == StudyDirection.MAXIMIZE
+    complete: list[tuple[float, int, Config]] = []
+    for t in study.get_trials(deepcopy=False):
+        if t.number == exclude:
+            continue
+        history.n_trials += 1
+        config = trial_config(t, names)
+        if config is None:
+            continue
+        history.seen.add(config)
+        if t.state == TrialState.COMPLETE and t.value is not None:
+            complete.append((-t.value if maximize else t.value, t.number, config))
+        elif t.state == TrialState.FAIL:
+            history.failed.append(config)
+    complete.sort(key=lambda item: (item[0], item[1]))
+    sign = -1.0 if maximize else 1.0
+    history.complete = [(config, sign * value) for value, _, config in complete]
+    return history
+
+
+class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
+    """Base of every strategy: whole-configuration proposals over one ``Space``.
+
+    Subclasses implement ``propose``; it must return a valid configuration that is not in
+    ``history.seen`` (the base only calls it while such a configuration exists).
+    """
+
+    name = "base"
+
+    def __init__(self, space: Space, *, seed: int | None = None) -> None:
+        self.space = space
+        self.seed = seed
+        self._rng = random.Random(seed)
+        self._names = space.param_names
+        self._distributions = {p.name: CategoricalDistribution(list(p.values)) for p in space.params}
+        self._valid: list[Config] | None = None
+        self._valid_set: frozenset[Config] | None = None
+        self._proposals: dict[int, Config] = {}
+        self._fallback = optuna.samplers.RandomSampler(seed=seed)
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}({self.space.name})"
+
+    # -- the space -------------------------------------------------------------
+    @property
+    def valid(self) -> list[Config]:
+        """Every valid configuration, in the space's enumeration order (computed once)."""
+        if self._valid is None:
+            self._valid = list(self.space.valid_configs())
+            self._valid_set = frozenset(self._valid)
+            if not self._valid:
+                raise ValueError(f"space {self.space.name!r} has no valid configuration")
+        return self._valid
+
+    @property
+    def valid_set(self) -> frozenset[Config]:
+        self.valid  # noqa: B018 - fills the cache
+        assert self._valid_set is not None
+        return self._valid_set
+
+    def is_new(self, config: Config, history: History) -> bool:
+        """Valid under the space's constraints and not yet in the study."""
+        return config in self.valid_set and config not in history.seen
+
+    def random_unseen(self, history: History) -> Config:
+        """A uniformly drawn valid configuration the study does not hold."""
+        valid = self.valid
+        for _ in range(_REJECTION_TRIES):
+            config = self._rng.choice(valid)
+            if config not in history.seen:
+                return config
+        unseen = [c for c in valid if c not in history.seen]
+        return self._rng.choice(unseen) if unseen else self._rng.choice(valid)
+
+    def exhausted(self, history: History) -> bool:
+        valid = self.valid_set
+        return sum(1 for c in history.seen if c in valid) >= len(valid)
+
+    def history(self, study: Study, exclude: int | None = None) -> History:
+        return read_history(study, self._names, exclude)
+
+    # -- what a strategy implements ----------------------------------------------
+    @abc.abstractmethod
+    def propose(self, study: Study, trial: FrozenTrial, history: History) -> Proposal:
+        """A valid configuration not in ``history.seen``."""
+
+    # -- Optuna's sampler interface -----------------------------------------------
+    def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+        return dict(self._distributions)
+
+    def sample_relative(
+        self, study: Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
+        if not search_space:
+            return {}
+        fixed = trial.system_attrs.get("fixed_params") or {}
+        if all(n in fixed for n in self._names):  # an enqueued trial: its values win
+            return {n: fixed[n] for n in search_space if n in fixed}
+        history = self.history(study, exclude=trial.number)
+        proposal = self._propose_or_repeat(study, trial, history)
+        for _ in range(_CONFLICT_RETRIES):
+            self._claim(study, trial, proposal)
+            if proposal.origin == "repeat" or not self._rival_claim(study, trial, proposal.config):
+                break
+            history.seen.add(proposal.config)
+            proposal = self._propose_or_repeat(study, trial, history)
+        self._remember(trial, proposal.config)
+        return {n: proposal.config[n] for n in search_space if n in proposal.config}
+
+    def sample_independent(
+        self, study: Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
+    ) -> Any:
+        config = self._proposals.get(trial._trial_id)
+        if config is not None and param_name in config:
+            value = config[param_name]
+            try:
+                if param_distribution._contains(param_distribution.to_internal_repr(value)):
+                    return value
+            except (ValueError, TypeError):
+                pass
+        return self._fallback.sample_independent(study, trial, param_name, param_distribution)
+
+    def reseed_rng(self) -> None:
+        self._rng.seed()
+        self._fallback.reseed_rng()
+
+    # -- internals ----------------------------------------------------------------------
+    def _propose_or_repeat(self, study: Study, trial: FrozenTrial, history: History) -> Proposal:
+        if self.exhausted(history):
+            return Proposal(self._rng.choice(self.valid), "repeat")
+        return self.propose(study, trial, history)
+
+    def _claim(self, study: Study, trial: FrozenTrial, proposal: Proposal) -> None:
+        study._storage.set_trial_system_attr(trial._trial_id, CLAIM_KEY, proposal.to_attr())
+
+    def _rival_claim(self, study: Study, trial: FrozenTrial, config: Config) -> bool:
+        """Whether another trial took ``config`` since the history was read (another worker)."""
+        trials = study._storage.get_all_trials(study._study_id, deepcopy=False)
+        return any(t.number != trial.number and trial_config(t, self._names) == config for t in trials)
+
+    def _remember(self, trial: FrozenTrial, config: Config) -> None:
+        self._proposals[trial._trial_id] = config
+        while len(self._proposals) > 256:
+            self._proposals.pop(next(iter(self._proposals)))

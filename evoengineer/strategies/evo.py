@@ -1,0 +1,122 @@
+"""Evolutionary search: tournament selection, uniform crossover, neighbour mutation.
+
+The population is not held in memory: it is the ``population`` best completed trials of
+the study, so every worker sharing the study breeds from the same parents, the best are
+always kept (elitism, a (mu + lambda) scheme) and failures are never parents.
+Generation 0 is the space's seed configurations, then random valid ones.
+"""
+from __future__ import annotations
+
+from optuna.study import Study
+from optuna.trial import FrozenTrial
+
+from ..candidate import Config
+from ..space import Param, Space
+from .base import History, Proposal, SpaceSampler
+
+
+class EvoSampler(SpaceSampler):
+    """A steady-state genetic algorithm over the space's valid configurations."""
+
+    name = "evo"
+
+    def __init__(
+        self,
+        space: Space,
+        *,
+        seed: int | None = None,
+        population: int | None = None,
+        tournament: int = 3,
+        mutation_rate: float = 0.2,
+        crossover_rate: float = 0.7,
+        immigrant_rate: float = 0.1,
+        max_repairs: int = 24,
+    ) -> None:
+        super().__init__(space, seed=seed)
+        self.population = space.search.population if population is None else population
+        self.tournament = tournament
+        self.mutation_rate = mutation_rate
+        self.crossover_rate = crossover_rate
+        self.immigrant_rate = immigrant_rate
+        self.max_repairs = max_repairs
+        if self.population < 1:
+            raise ValueError(f"population must be >= 1, got {self.population}")
+        if tournament < 1:
+            raise ValueError(f"tournament must be >= 1, got {tournament}")
+        if max_repairs < 0:
+            raise ValueError(f"max_repairs must be >= 0, got {max_repairs}")
+        for label, rate in (("mutation_rate", mutation_rate), ("crossover_rate", crossover_rate), ("immigrant_rate", immigrant_rate)):
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"{label} must be in [0, 1], got {rate}")
+        self._mutable: tuple[Param, ...] = tuple(p for p in space.params if len(p.values) > 1)
+
+    # -- public helpers -------------------------------------------------------------------
+    def parents(self, study: Study) -> list[Config]:
+        """The current parent pool: the best ``population`` completed configurations."""
+        return [c for c, _ in self.history(study).best(self.population)]
+
+    # -- the strategy ------------------------------------------------------------------------
+    def propose(self, study: Study, trial: FrozenTrial, history: History) -> Proposal:
+        rng = self._rng
+        if history.n_trials < self.population:
+            for seed in self.space.search.seeds:
+                if self.is_new(seed, history):
+                    return Proposal(seed, "seed")
+        pool = [c for c, _ in history.best(self.population)]
+        if history.n_trials < self.population or not pool:
+            return Proposal(self.random_unseen(history), "random")
+        if rng.random() < self.immigrant_rate:
+            return Proposal(self.random_unseen(history), "immigrant")
+
+        first = self._select(pool)
+        parents: tuple[Config, ...] = (first,)
+        child = first
+        if len(pool) > 1 and rng.random() < self.crossover_rate:
+            second = self._select([c for c in pool if c != first])
+            parents = (first, second)
+            child = self._crossover(first, second)
+
+        candidate = self._mutate(child, force=child in parents)
+        for attempt in range(self.max_repairs):
+            if self.is_new(candidate, history):
+                return Proposal(candidate, "child", parents)
+            # invalid or seen: mutate again, starting over from the child now and then
+            candidate = self._mutate(child if attempt % 8 == 7 else candidate, force=True)
+        if self.is_new(candidate, history):
+            return Proposal(candidate, "child", parents)
+
+        for parent in (*parents, *pool):
+            options = [n for n in self.space.neighbours(parent) if n not in history.seen]
+            if options:
+                return Proposal(rng.choice(options), "neighbour", (parent,))
+        return Proposal(self.random_unseen(history), "random")
+
+    # -- operators ----------------------------------------------------------------------------
+    def _select(self, pool: list[Config]) -> Config:
+        """Tournament: the best of ``tournament`` distinct members (``pool`` is best first)."""
+        picks = self._rng.sample(range(len(pool)), min(self.tournament, len(pool)))
+        return pool[min(picks)]
+
+    def _crossover(self, a: Config, b: Config) -> Config:
+        """Uniform crossover: each parameter from either parent with probability 1/2."""
+        return Config({n: (a[n] if self._rng.random() < 0.5 else b[n]) for n in self._names})
+
+    def _mutate(self, config: Config, force: bool = True) -> Config:
+        """Each parameter changes with ``mutation_rate``; with ``force``, at least one does."""
+        if not self._mutable:
+            return config
+        rng = self._rng
+        changes = {p.name: self._step(p, config[p.name]) for p in self._mutable if rng.random() < self.mutation_rate}
+        if not changes and force:
+            p = rng.choice(self._mutable)
+            changes[p.name] = self._step(p, config[p.name])
+        return config.replace(**changes)
+
+    def _step(self, param: Param, value: object) -> object:
+        """An ordinal parameter moves to an adjacent value; a categorical one to another value."""
+        values = param.values
+        idx = values.index(value)
+        if param.ordinal:
+            moves = [i for i in (idx - 1, idx + 1) if 0 <= i < len(values)]
+            return values[self._rng.choice(moves)]
+        return self._rng.choice([v for v in values if v != value])

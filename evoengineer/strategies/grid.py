@@ -1,0 +1,37 @@
+"""Grid search: the valid configurations in the space's order, each once."""
+from __future__ import annotations
+
+import random
+
+from optuna.study import Study
+from optuna.trial import FrozenTrial
+
+from ..candidate import Config
+from ..space import Space
+from .base import History, Proposal, SpaceSampler
+
+
+class GridSearchSampler(SpaceSampler):
+    """The first unseen valid configuration in enumeration order (shuffled by ``seed`` if asked)."""
+
+    name = "grid"
+
+    def __init__(self, space: Space, *, seed: int | None = None, shuffle: bool = False) -> None:
+        super().__init__(space, seed=seed)
+        self.shuffle = shuffle
+        self._order: list[Config] | None = None
+
+    @property
+    def order(self) -> list[Config]:
+        if self._order is None:
+            order = list(self.valid)
+            if self.shuffle:
+                random.Random(self.seed).shuffle(order)
+            self._order = order
+        return self._order
+
+    def propose(self, study: Study, trial: FrozenTrial, history: History) -> Proposal:
+        for config in self.order:
+            if config not in history.seen:
+                return Proposal(config, "grid")
+        return Proposal(self.order[0], "repeat")

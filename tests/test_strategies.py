@@ -1,0 +1,310 @@
+"""Conformance of the search strategies, replayed on every recording in tests/data."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sqlite3
+import statistics
+from functools import lru_cache
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState, create_trial
+
+from evoengineer.candidate import Config
+from evoengineer.replay import NOT_RECORDED, ReplayEvaluator, replay_trial, run_replay
+from evoengineer.space import Space
+from evoengineer.strategies import (
+    CLAIM_KEY,
+    SAMPLERS,
+    EvoSampler,
+    make_sampler,
+    strategy_options,
+    suggest_config,
+    trial_config,
+)
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+DATA = Path(__file__).parent / "data"
+RECORDINGS = sorted(DATA.glob("replay_*.jsonl"))
+STRATEGIES = ("evo", "tpe", "random", "grid")
+BUDGET = 30
+RACE_SEEDS = range(9)
+WITHIN = 1.02
+
+
+@lru_cache(maxsize=None)
+def _load(path: Path) -> tuple[ReplayEvaluator, Space, tuple[Config, ...]]:
+    evaluator = ReplayEvaluator(path)
+    space = evaluator.space()
+    return evaluator, space, tuple(space.valid_configs())
+
+
+@pytest.fixture(params=RECORDINGS, ids=[p.stem for p in RECORDINGS])
+def recording(request: pytest.FixtureRequest) -> tuple[ReplayEvaluator, Space, tuple[Config, ...]]:
+    return _load(request.param)
+
+
+def _sqlite(path: Path) -> optuna.storages.RDBStorage:
+    """A SQLite storage at ``path`` without fsync per commit (the tests' disk is slow)."""
+
+    def connect() -> sqlite3.Connection:
+        conn = sqlite3.connect(str(path), check_same_thread=False, timeout=30)
+        conn.execute("PRAGMA synchronous=OFF")
+        return conn
+
+    return optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"creator": connect})
+
+
+def _configs(study: optuna.Study, space: Space) -> list[Config]:
+    return [Config({n: t.params[n] for n in space.param_names}) for t in sorted(study.trials, key=lambda t: t.number)]
+
+
+def _evaluations_to_optimum(name: str, seed: int, evaluator: ReplayEvaluator, space: Space, size: int) -> int:
+    _, best = evaluator.optimum()
+    study = optuna.create_study(sampler=make_sampler(name, space, seed=seed))
+    for i in range(1, size + 1):
+        _, result = replay_trial(study, space, evaluator)
+        if result.ok and result.objective_us <= WITHIN * best:
+            return i
+    return size + 1
+
+
+# -- the conformance class every strategy passes ------------------------------------------
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+class TestConformance:
+    def test_valid_unique_within_budget(self, name: str, recording) -> None:
+        evaluator, space, valid = recording
+        budget = min(BUDGET, len(valid))
+        study = run_replay(space, make_sampler(name, space, seed=1), evaluator, budget)
+        configs = _configs(study, space)
+        assert len(study.trials) == budget
+        assert all(space.contains(c) for c in configs), [space.violations(c) for c in configs]
+        assert len(set(configs)) == budget
+        for trial, config in zip(sorted(study.trials, key=lambda t: t.number), configs):
+            result = evaluator.evaluate(config)
+            assert trial.user_attrs == {"status": result.status, "config_key": config.key()}
+            assert trial.state == (TrialState.COMPLETE if result.ok else TrialState.FAIL)
+
+    def test_deterministic_with_seed(self, name: str, recording) -> None:
+        evaluator, space, _ = recording
+        runs = [_configs(run_replay(space, make_sampler(name, space, seed=7), evaluator, 20), space) for _ in range(2)]
+        assert runs[0] == runs[1]
+
+    def test_never_proposes_a_taken_config(self, name: str, recording) -> None:
+        """Configurations held by COMPLETE, FAIL and RUNNING trials (incl. another worker's
+        claimed but not yet suggested one) are never proposed while others remain."""
+        evaluator, space, valid = recording
+        dists = {p.name: CategoricalDistribution(list(p.values)) for p in space.params}
+        free = {valid[0], valid[len(valid) // 2], valid[-1]}
+        taken = [c for c in valid if c not in free]
+        storage = optuna.storages.InMemoryStorage()
+        other = optuna.create_study(storage=storage, study_name="s", sampler=make_sampler("random", space, seed=3))
+        done = []
+        for i, config in enumerate(taken[:-6]):
+            state = TrialState.FAIL if i % 5 == 0 else TrialState.COMPLETE
+            done.append(create_trial(params=config.to_dict(), distributions=dists, state=state,
+                                     value=100.0 + i if state == TrialState.COMPLETE else None))
+        other.add_trials(done)
+        for config in taken[-6:-3]:  # RUNNING, parameters stored
+            other.enqueue_trial(config.to_dict())
+            suggest_config(other.ask(), space)
+        for config in taken[-3:-1]:  # RUNNING, only enqueued values
+            other.enqueue_trial(config.to_dict())
+            other.ask()
+        pending = other.ask()  # RUNNING, only another worker's claim (sampled, not yet suggested)
+        storage.set_trial_system_attr(pending._trial_id, CLAIM_KEY, {"config": taken[-1].to_dict()})
+
+        study = optuna.load_study(storage=storage, study_name="s", sampler=make_sampler(name, space, seed=0))
+        got = [suggest_config(study.ask(), space) for _ in free]
+        assert set(got) == free
+        extra = suggest_config(study.ask(), space)  # everything taken: a repeat, still valid
+        assert space.contains(extra)
+
+    def test_shared_sqlite_study(self, name: str, recording, tmp_path: Path) -> None:
+        """Two workers (same strategy, same seed) on one SQLite study never propose the same config."""
+        evaluator, space, valid = recording
+        path = tmp_path / "s.db"
+        a = optuna.create_study(storage=_sqlite(path), study_name="shared", sampler=make_sampler(name, space, seed=5))
+        b = optuna.load_study(storage=_sqlite(path), study_name="shared", sampler=make_sampler(name, space, seed=5))
+        rounds = min(12, len(valid) // 2)
+        for _ in range(rounds):
+            ta, tb = a.ask(), b.ask()
+            for study, trial in ((a, ta), (b, tb)):
+                config = suggest_config(trial, space)
+                result = evaluator.evaluate(config)
+                trial.set_user_attr("status", result.status)
+                trial.set_user_attr("config_key", config.key())
+                study.tell(trial, result.objective_us if result.ok else None,
+                           state=TrialState.COMPLETE if result.ok else TrialState.FAIL)
+        configs = _configs(a, space)
+        assert len(configs) == 2 * rounds
+        assert len(set(configs)) == len(configs)
+        assert all(space.contains(c) for c in configs)
+
+
+@pytest.mark.parametrize("name", ["grid", "random", "evo"])
+def test_budget_equal_to_space_covers_it_once(name: str, recording) -> None:
+    evaluator, space, valid = recording
+    study = run_replay(space, make_sampler(name, space, seed=2), evaluator, len(valid))
+    configs = _configs(study, space)
+    assert sorted(configs, key=Config.key) == sorted(valid, key=Config.key)
+    if name == "grid":
+        assert configs == list(valid)
+
+
+def test_grid_shuffled_is_a_permutation(recording) -> None:
+    evaluator, space, valid = recording
+    study = run_replay(space, make_sampler("grid", space, seed=4, shuffle=True), evaluator, 20)
+    configs = _configs(study, space)
+    assert configs != list(valid[:20])
+    assert len(set(configs)) == 20 and set(configs) <= set(valid)
+
+
+def test_tpe_startup_is_random_then_tpe(recording) -> None:
+    evaluator, space, _ = recording
+    study = run_replay(space, make_sampler("tpe", space, seed=0, n_startup_trials=5), evaluator, 25)
+    origins = [t.system_attrs[CLAIM_KEY]["origin"] for t in sorted(study.trials, key=lambda t: t.number)]
+    assert origins[:5] == ["random"] * 5
+    assert "tpe" in origins[5:]
+
+
+# -- the evolutionary strategy ------------------------------------------------------------
+
+
+def test_evo_first_generation_starts_with_the_seeds(recording) -> None:
+    evaluator, space, _ = recording
+    sampler = make_sampler("evo", space, seed=0)
+    assert isinstance(sampler, EvoSampler)
+    study = run_replay(space, sampler, evaluator, sampler.population)
+    configs = _configs(study, space)
+    seeds = list(dict.fromkeys(space.search.seeds))
+    assert configs[: len(seeds)] == seeds
+    origins = [t.system_attrs[CLAIM_KEY]["origin"] for t in sorted(study.trials, key=lambda t: t.number)]
+    assert set(origins[len(seeds):]) <= {"random"}
+
+
+def test_evo_failures_are_never_parents(recording) -> None:
+    evaluator, space, valid = recording
+    sampler = make_sampler("evo", space, seed=3)
+    study = run_replay(space, sampler, evaluator, min(80, len(valid)))
+    trials = sorted(study.trials, key=lambda t: t.number)
+    state_of = {t.user_attrs["config_key"]: (t.state, t.number) for t in trials}
+    bred = 0
+    for t in trials:
+        claim = t.system_attrs[CLAIM_KEY]
+        for key in claim["parents"]:
+            state, number = state_of[key]
+            assert state == TrialState.COMPLETE and number < t.number
+            bred += 1
+    assert bred > 0
+    parents = sampler.parents(study)
+    complete = sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: (t.value, t.number))
+    assert parents == [trial_config(t, space.param_names) for t in complete[: sampler.population]]
+
+
+def test_evo_parents_ignore_failed_trials() -> None:
+    evaluator, space, valid = _load(RECORDINGS[0])
+    dists = {p.name: CategoricalDistribution(list(p.values)) for p in space.params}
+    study = optuna.create_study(sampler=make_sampler("evo", space, seed=0, population=4))
+    study.add_trials([create_trial(params=c.to_dict(), distributions=dists, state=TrialState.FAIL) for c in valid[:10]])
+    good = valid[10:13]
+    study.add_trials([create_trial(params=c.to_dict(), distributions=dists, value=float(50 - i)) for i, c in enumerate(good)])
+    assert study.sampler.parents(study) == list(reversed(good))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_evo_operators_stay_in_the_space(seed: int) -> None:
+    _, space, _ = _load(RECORDINGS[0])
+    sampler = make_sampler("evo", space, seed=seed)
+    config = space.search.seeds[0] if space.search.seeds else next(space.valid_configs())
+    for _ in range(200):
+        child = sampler._mutate(config)
+        assert child != config
+        changed = [p for p in space.params if child[p.name] != config[p.name]]
+        for p in changed:
+            if p.ordinal:
+                assert abs(p.values.index(child[p.name]) - p.values.index(config[p.name])) == 1
+            assert child[p.name] in p.values
+
+
+def test_evo_reaches_the_optimum_before_random(recording) -> None:
+    evaluator, space, valid = recording
+    evo = [_evaluations_to_optimum("evo", s, evaluator, space, len(valid)) for s in RACE_SEEDS]
+    rnd = [_evaluations_to_optimum("random", s, evaluator, space, len(valid)) for s in RACE_SEEDS]
+    assert statistics.median(evo) < statistics.median(rnd), (sorted(evo), sorted(rnd))
+
+
+# -- several processes on one storage -----------------------------------------------------
+
+
+def _worker(db: str, path: str, seed: int, n: int) -> None:
+    evaluator, space, _ = _load(Path(path))
+    study = optuna.load_study(storage=_sqlite(Path(db)), study_name="mp", sampler=make_sampler("evo", space, seed=seed))
+    for _ in range(n):
+        replay_trial(study, space, evaluator)
+
+
+def test_processes_share_one_study(tmp_path: Path) -> None:
+    path = RECORDINGS[0]
+    _, space, _ = _load(path)
+    db = tmp_path / "mp.db"
+    optuna.create_study(storage=_sqlite(db), study_name="mp")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(str(db), str(path), 11, 15)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    study = optuna.load_study(storage=_sqlite(db), study_name="mp")
+    configs = _configs(study, space)
+    assert len(configs) == 30 and len(set(configs)) == 30
+
+
+# -- the public API -------------------------------------------------------------------------
+
+
+def test_make_sampler_rejects_unknown_names_and_options() -> None:
+    _, space, _ = _load(RECORDINGS[0])
+    with pytest.raises(ValueError, match="evo, tpe, random, grid"):
+        make_sampler("anneal", space)
+    with pytest.raises(ValueError, match="population"):
+        make_sampler("evo", space, populaton=3)
+    assert set(SAMPLERS) == set(STRATEGIES)
+    assert strategy_options("evo")["tournament"] == 3
+    assert isinstance(make_sampler("tpe", space, seed=0), optuna.samplers.BaseSampler)
+
+
+def test_suggest_config_matches_trial_params() -> None:
+    _, space, _ = _load(RECORDINGS[0])
+    study = optuna.create_study(sampler=make_sampler("random", space, seed=0))
+    trial = study.ask()
+    config = suggest_config(trial, space)
+    assert dict(config) == trial.params and space.contains(config)
+
+
+def test_replay_evaluator(tmp_path: Path) -> None:
+    evaluator, space, valid = _load(RECORDINGS[0])
+    assert evaluator.space_name == space.name
+    best, value = evaluator.optimum()
+    assert evaluator.evaluate(best).objective_us == value
+    assert all(r.objective_us >= value for r in evaluator.records.values() if r.ok)
+    missing = evaluator.evaluate(Config(NOPE=1))
+    assert (missing.status, missing.reason, missing.objective_us) == ("invalid", NOT_RECORDED, None)
+
+    plain = tmp_path / "plain.jsonl"
+    rows = [{"config": {"A": 1}, "key": "x", "status": "ok", "reason": "", "objective_us": 3.0},
+            {"config": {"A": 2}, "key": "y", "status": "crashed", "reason": "boom", "objective_us": None}]
+    plain.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ev = ReplayEvaluator(plain)
+    assert ev.space_name is None and len(ev) == 2
+    assert ev.evaluate({"A": 2}).status == "crashed" and ev.optimum() == (Config(A=1), 3.0)
+    named = tmp_path / "named.jsonl"
+    named.write_text(json.dumps({"header": {"space": "l4", "gpu": "L4"}}) + "\n" + json.dumps(rows[0]) + "\n")
+    assert ReplayEvaluator(named).space_name == "l4"
