@@ -4,7 +4,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +49,10 @@ def build_leaderboard(records: list[dict], retimed: dict | None, baseline: dict,
         else:
             entries.append({
                 "config": record["config"], "key": record["key"], "resources": record.get("resources", {}),
-                "cases": cases, "geomean_us": geomean([c["median_us"] for c in cases]),
+                "cases": cases,
+                "geomean_us": geomean([c["median_us"] for c in cases]) if cases else record["objective_us"],
                 "spread": max((c["spread"] for c in cases), default=0.0),
-                "tflops": geomean([c["tflops"] for c in cases if c["tflops"] > 0]),
+                "tflops": geomean([c["tflops"] for c in cases if c["tflops"] > 0]) if cases else 0.0,
                 "max_abs_err": max((c["max_abs_err"] or 0.0 for c in cases), default=0.0),
                 "speedup": _speedups(cases, sdpa),
             })
@@ -130,6 +130,3 @@ def leaderboard_csv(board: dict) -> str:
         writer.writerow(["", f"SDPA {row['backend']}", f"{row['geomean_us']:.4f}", "", f"{row['tflops']:.2f}", *([""] * len(SDPA_BACKENDS)), "", "", "", ""])
     return buf.getvalue()
 
-
-def is_finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)

@@ -71,8 +71,13 @@ class RunDir:
         tmp.replace(self.path / name)
 
     def append_result(self, result: EvalResult) -> None:
-        with self.results_path.open("a") as fh:
-            fh.write(json.dumps(result.to_json()) + "\n")
+        with self.results_path.open("ab+") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell():
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":  # a line cut by a kill stays alone on its line
+                    fh.write(b"\n")
+            fh.write((json.dumps(result.to_json()) + "\n").encode())
             fh.flush()
             os.fsync(fh.fileno())
 

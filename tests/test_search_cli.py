@@ -1,0 +1,113 @@
+"""The search command end to end on a recording (no GPU): run, kill -9, resume,
+leaderboard, export. Real subprocesses, real SQLite."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+DATA = Path(__file__).resolve().parent / "data"
+RECORDING = DATA / "replay_synthetic.jsonl"
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "evoengineer", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+@pytest.fixture
+def space_yaml(tmp_path: Path) -> Path:
+    header = json.loads(RECORDING.read_text().splitlines()[0])["header"]
+    path = tmp_path / "synthetic.yaml"
+    path.write_text(yaml.safe_dump(header["space_inline"], sort_keys=False))
+    return path
+
+
+def _keys(run: Path) -> list[str]:
+    return [json.loads(line)["key"] for line in (run / "results.jsonl").read_text().splitlines() if line.strip().endswith("}")]
+
+
+def test_search_killed_with_sigkill_resumes_without_losing_or_repeating(tmp_path: Path, space_yaml: Path) -> None:
+    run = tmp_path / "run"
+    args = ["search", "--space", str(space_yaml), "--replay", str(RECORDING), "--trials", "40", "--strategy", "evo",
+            "--run-dir", str(run), "--quiet"]
+    proc = subprocess.Popen([sys.executable, "-m", "evoengineer", *args, "--replay-delay", "0.1"], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        results = run / "results.jsonl"
+        if results.exists() and len(results.read_text().splitlines()) >= 12:
+            break
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = _keys(run)
+    assert 12 <= len(before) < 40
+
+    resumed = cli(*args, "--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    after = _keys(run)
+    assert after[: len(before)] == before  # nothing lost
+    assert len(after) == len(set(after)) == 40  # nothing repeated, budget honoured
+
+    study = optuna.load_study(study_name=run.name, storage=f"sqlite:///{run / 'study.db'}")
+    done = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+            and t.user_attrs.get("status") != "interrupted"]
+    assert len(done) == 40
+    assert {t.user_attrs["config_key"] for t in done} == set(after)
+
+
+def test_leaderboard_and_export_from_a_run(tmp_path: Path, space_yaml: Path) -> None:
+    run = tmp_path / "run"
+    done = cli("search", "--space", str(space_yaml), "--replay", str(RECORDING), "--trials", "25", "--strategy", "random",
+               "--run-dir", str(run), "--top-k", "3", "--quiet", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "evaluations per minute" in done.stdout
+
+    board = json.loads(cli("leaderboard", str(run), "--json", cwd=tmp_path).stdout)
+    times = [e["geomean_us"] for e in board["entries"]]
+    assert len(times) == 3 and times == sorted(times)
+    recorded = sorted(json.loads(l)["objective_us"] for l in (run / "results.jsonl").read_text().splitlines()
+                      if json.loads(l)["status"] == "ok")
+    assert times[0] == pytest.approx(recorded[0])
+    csv_text = cli("leaderboard", str(run), "--csv", cwd=tmp_path).stdout
+    assert csv_text.splitlines()[0].startswith("rank,config,geomean_us")
+
+    listed = json.loads(cli("runs", "--root", str(tmp_path), "--json", cwd=tmp_path).stdout)
+    assert listed and listed[0]["evaluations"] == 25
+
+    out = tmp_path / "best"
+    exported = cli("export", str(run), "--rank", "1", "--out", str(out), cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    info = json.loads((out / "kernel.json").read_text())
+    assert info["config"] == board["entries"][0]["config"]
+    assert {(k["head_dim"], k["causal"]) for k in info["kernels"]} == {(64, False), (64, True)}
+    # the module stands alone: import it from another directory with only torch and cupy
+    check = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, torch; sys.path.insert(0, sys.argv[1]); from evo_attention import attention, CONFIG\n"
+         "q = torch.zeros(1, 2, 8, 64, dtype=torch.float16)\n"
+         "try:\n    attention(q, q, q)\nexcept ValueError as e:\n    print('rejected:', e)\n"
+         "try:\n    attention(q.float(), q, q)\nexcept TypeError as e:\n    print('rejected:', e)\n",
+         str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert "rejected: attention: q must be on a CUDA device" in check.stdout, check.stderr
+    assert "rejected: attention: q must be torch.float16" in check.stdout
+
+
+def test_search_without_gpu_points_to_check(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = cli("search", "--space", "spaces/l4.yaml", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "evoengineer check" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
