@@ -132,7 +132,7 @@ class TestConformance:
         path = tmp_path / "s.db"
         a = optuna.create_study(storage=_sqlite(path), study_name="shared", sampler=make_sampler(name, space, seed=5))
         b = optuna.load_study(storage=_sqlite(path), study_name="shared", sampler=make_sampler(name, space, seed=5))
-        rounds = min(12, len(valid) // 2)
+        rounds = min(8, len(valid) // 2)
         for _ in range(rounds):
             ta, tb = a.ask(), b.ask()
             for study, trial in ((a, ta), (b, tb)):
@@ -256,7 +256,7 @@ def test_processes_share_one_study(tmp_path: Path) -> None:
     db = tmp_path / "mp.db"
     optuna.create_study(storage=_sqlite(db), study_name="mp")
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(str(db), str(path), 11, 15)) for _ in range(2)]
+    procs = [ctx.Process(target=_worker, args=(str(db), str(path), 11, 10)) for _ in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -264,7 +264,7 @@ def test_processes_share_one_study(tmp_path: Path) -> None:
         assert p.exitcode == 0
     study = optuna.load_study(storage=_sqlite(db), study_name="mp")
     configs = _configs(study, space)
-    assert len(configs) == 30 and len(set(configs)) == 30
+    assert len(configs) == 20 and len(set(configs)) == 20
 
 
 # -- the public API -------------------------------------------------------------------------

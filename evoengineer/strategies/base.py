@@ -5,7 +5,12 @@ already holds (finished trials, and running or waiting ones of other workers) is
 back into a ``History`` so that a strategy never proposes a configuration twice while
 unseen valid ones remain. The proposal is written to the trial's system attributes at
 once (a *claim*), so that workers sharing a storage see it before the trial's parameters
-are stored.
+are stored; a worker that then finds another trial holding the same configuration
+proposes again.
+
+Randomness: each proposal draws from ``random.Random(f"{seed}:{trial number}")``, so a
+proposal is a function of the seed, the trial number and the study's history, and
+workers started with the same seed still draw differently.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ CLAIM_KEY = "evoengineer:proposal"
 
 _CONFLICT_RETRIES = 3
 _REJECTION_TRIES = 32
+_CACHE_LIMIT = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class History:
     complete: list[tuple[Config, float]] = field(default_factory=list)
     failed: list[Config] = field(default_factory=list)
     n_trials: int = 0
+    known: set[int] = field(default_factory=set)  # ids of finished trials already read
 
     def best(self, n: int) -> list[tuple[Config, float]]:
         """The ``n`` best completed configurations, best first (``complete`` is kept sorted)."""
@@ -60,23 +67,29 @@ class History:
 
 
 def trial_config(trial: FrozenTrial, names: Sequence[str]) -> Config | None:
-    """The configuration a trial holds or is about to evaluate, if it can be told."""
-    params = trial.params
-    if all(n in params for n in names):
-        return Config({n: params[n] for n in names})
-    fixed = trial.system_attrs.get("fixed_params") or {}
-    if all(n in fixed for n in names):
-        return Config({n: fixed[n] for n in names})
-    claim = trial.system_attrs.get(CLAIM_KEY)
-    if isinstance(claim, dict):
-        values = claim.get("config") or {}
-        if all(n in values for n in names):
+    """The configuration a trial holds or is about to evaluate, if it can be told: its
+    parameters, else its enqueued values, else a sampler's claim."""
+    for values in (trial.params, trial.system_attrs.get("fixed_params"), _claimed(trial)):
+        if isinstance(values, dict) and all(n in values for n in names):
             return Config({n: values[n] for n in names})
     return None
 
 
-def read_history(study: Study, names: Sequence[str], exclude: int | None = None) -> History:
-    """Collect the study's trials (all states) except trial number ``exclude``."""
+def _claimed(trial: FrozenTrial) -> dict[str, Any] | None:
+    claim = trial.system_attrs.get(CLAIM_KEY)
+    return claim.get("config") if isinstance(claim, dict) else None
+
+
+def read_history(
+    study: Study,
+    names: Sequence[str],
+    exclude: int | None = None,
+    cache: dict[int, _Entry] | None = None,
+) -> History:
+    """Collect the study's trials (all states) except trial number ``exclude``.
+
+    ``cache`` keeps what finished trials (which no longer change) hold, across calls.
+    """
     history = History()
     maximize = study.direction == StudyDirection.MAXIMIZE
     complete: list[tuple[float, int, Config]] = []
@@ -84,25 +97,49 @@ def read_history(study: Study, names: Sequence[str], exclude: int | None = None)
         if t.number == exclude:
             continue
         history.n_trials += 1
-        config = trial_config(t, names)
-        if config is None:
+        entry = cache.get(t._trial_id) if cache is not None else None
+        if entry is None:
+            entry = _entry(t, names, maximize)
+            if cache is not None and entry.finished and len(cache) < _CACHE_LIMIT:
+                cache[t._trial_id] = entry
+        if entry.finished:
+            history.known.add(t._trial_id)
+        if entry.config is None:
             continue
-        history.seen.add(config)
-        if t.state == TrialState.COMPLETE and t.value is not None:
-            complete.append((-t.value if maximize else t.value, t.number, config))
-        elif t.state == TrialState.FAIL:
-            history.failed.append(config)
+        history.seen.add(entry.config)
+        if entry.score is not None:
+            complete.append((entry.score, t.number, entry.config))
+        elif entry.failed:
+            history.failed.append(entry.config)
     complete.sort(key=lambda item: (item[0], item[1]))
     sign = -1.0 if maximize else 1.0
-    history.complete = [(config, sign * value) for value, _, config in complete]
+    history.complete = [(config, sign * score) for score, _, config in complete]
     return history
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What one trial holds: its configuration, and its score (lower is better) if complete."""
+
+    config: Config | None
+    finished: bool
+    score: float | None
+    failed: bool
+
+
+def _entry(t: FrozenTrial, names: Sequence[str], maximize: bool) -> _Entry:
+    score = None
+    if t.state == TrialState.COMPLETE and t.value is not None:
+        score = -t.value if maximize else t.value
+    return _Entry(trial_config(t, names), t.state.is_finished(), score, t.state == TrialState.FAIL)
 
 
 class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
     """Base of every strategy: whole-configuration proposals over one ``Space``.
 
     Subclasses implement ``propose``; it must return a valid configuration that is not in
-    ``history.seen`` (the base only calls it while such a configuration exists).
+    ``history.seen`` (the base only calls it while such a configuration exists) and draw
+    its randomness from ``self._rng``.
     """
 
     name = "base"
@@ -110,12 +147,14 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
     def __init__(self, space: Space, *, seed: int | None = None) -> None:
         self.space = space
         self.seed = seed
-        self._rng = random.Random(seed)
+        self._base_seed = seed if seed is not None else random.SystemRandom().getrandbits(64)
+        self._rng = random.Random(self._base_seed)
         self._names = space.param_names
         self._distributions = {p.name: CategoricalDistribution(list(p.values)) for p in space.params}
         self._valid: list[Config] | None = None
         self._valid_set: frozenset[Config] | None = None
         self._proposals: dict[int, Config] = {}
+        self._entries: dict[int, _Entry] = {}
         self._fallback = optuna.samplers.RandomSampler(seed=seed)
 
     def __str__(self) -> str:
@@ -126,15 +165,16 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
     def valid(self) -> list[Config]:
         """Every valid configuration, in the space's enumeration order (computed once)."""
         if self._valid is None:
-            self._valid = list(self.space.valid_configs())
-            self._valid_set = frozenset(self._valid)
-            if not self._valid:
+            valid = list(self.space.valid_configs())
+            if not valid:
                 raise ValueError(f"space {self.space.name!r} has no valid configuration")
+            self._valid, self._valid_set = valid, frozenset(valid)
         return self._valid
 
     @property
     def valid_set(self) -> frozenset[Config]:
-        self.valid  # noqa: B018 - fills the cache
+        if self._valid_set is None:
+            self.valid  # noqa: B018 - fills the cache
         assert self._valid_set is not None
         return self._valid_set
 
@@ -153,11 +193,11 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         return self._rng.choice(unseen) if unseen else self._rng.choice(valid)
 
     def exhausted(self, history: History) -> bool:
-        valid = self.valid_set
-        return sum(1 for c in history.seen if c in valid) >= len(valid)
+        """Every valid configuration is in the study."""
+        return history.seen.issuperset(self.valid_set)
 
     def history(self, study: Study, exclude: int | None = None) -> History:
-        return read_history(study, self._names, exclude)
+        return read_history(study, self._names, exclude, self._entries)
 
     # -- what a strategy implements ----------------------------------------------
     @abc.abstractmethod
@@ -176,13 +216,15 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         fixed = trial.system_attrs.get("fixed_params") or {}
         if all(n in fixed for n in self._names):  # an enqueued trial: its values win
             return {n: fixed[n] for n in search_space if n in fixed}
+        self._rng = random.Random(f"{self._base_seed}:{trial.number}")
         history = self.history(study, exclude=trial.number)
         proposal = self._propose_or_repeat(study, trial, history)
-        for _ in range(_CONFLICT_RETRIES):
+        for attempt in range(1, _CONFLICT_RETRIES + 1):
             self._claim(study, trial, proposal)
-            if proposal.origin == "repeat" or not self._rival_claim(study, trial, proposal.config):
+            if proposal.origin == "repeat" or not self._taken_meanwhile(study, trial, proposal.config, history):
                 break
             history.seen.add(proposal.config)
+            self._rng = random.Random(f"{self._base_seed}:{trial.number}:{attempt}")
             proposal = self._propose_or_repeat(study, trial, history)
         self._remember(trial, proposal.config)
         return {n: proposal.config[n] for n in search_space if n in proposal.config}
@@ -201,7 +243,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         return self._fallback.sample_independent(study, trial, param_name, param_distribution)
 
     def reseed_rng(self) -> None:
-        self._rng.seed()
+        self._base_seed = random.SystemRandom().getrandbits(64)
         self._fallback.reseed_rng()
 
     # -- internals ----------------------------------------------------------------------
@@ -213,10 +255,15 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
     def _claim(self, study: Study, trial: FrozenTrial, proposal: Proposal) -> None:
         study._storage.set_trial_system_attr(trial._trial_id, CLAIM_KEY, proposal.to_attr())
 
-    def _rival_claim(self, study: Study, trial: FrozenTrial, config: Config) -> bool:
-        """Whether another trial took ``config`` since the history was read (another worker)."""
+    def _taken_meanwhile(self, study: Study, trial: FrozenTrial, config: Config, history: History) -> bool:
+        """Whether another trial, new or pending since ``history`` was read, holds ``config``."""
         trials = study._storage.get_all_trials(study._study_id, deepcopy=False)
-        return any(t.number != trial.number and trial_config(t, self._names) == config for t in trials)
+        return any(
+            t._trial_id not in history.known
+            and t.number != trial.number
+            and trial_config(t, self._names) == config
+            for t in trials
+        )
 
     def _remember(self, trial: FrozenTrial, config: Config) -> None:
         self._proposals[trial._trial_id] = config

@@ -86,7 +86,7 @@ class EvoSampler(SpaceSampler):
             return Proposal(candidate, "child", parents)
 
         for parent in (*parents, *pool):
-            options = [n for n in self.space.neighbours(parent) if n not in history.seen]
+            options = [n for n in self._neighbours(parent) if self.is_new(n, history)]
             if options:
                 return Proposal(rng.choice(options), "neighbour", (parent,))
         return Proposal(self.random_unseen(history), "random")
@@ -111,6 +111,18 @@ class EvoSampler(SpaceSampler):
             p = rng.choice(self._mutable)
             changes[p.name] = self._step(p, config[p.name])
         return config.replace(**changes)
+
+    def _neighbours(self, config: Config) -> list[Config]:
+        """Configurations one mutation step away (valid or not), in parameter order."""
+        out = []
+        for p in self._mutable:
+            idx = p.values.index(config[p.name])
+            if p.ordinal:
+                values = [p.values[i] for i in (idx - 1, idx + 1) if 0 <= i < len(p.values)]
+            else:
+                values = [v for v in p.values if v != config[p.name]]
+            out.extend(config.replace(**{p.name: v}) for v in values)
+        return out
 
     def _step(self, param: Param, value: object) -> object:
         """An ordinal parameter moves to an adjacent value; a categorical one to another value."""

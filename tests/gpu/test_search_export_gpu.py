@@ -1,0 +1,72 @@
+"""A real search on the GPU, its leaderboard, and the exported module against SDPA on
+shapes that were not in the space."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+SPACE = """
+name: tiny
+target: {name: any, arch: sm_90, sms: 132, smem_per_block: 232448}
+problem:
+  shapes:
+    - {B: 1, H: 2, S: 256, D: 64, causal: [false, true]}
+    - {B: 1, H: 2, S: 256, D: 128, causal: false}
+template: flash_attention
+params:
+  PATH: [scalar, wmma]
+  BLOCK_M: [64]
+  BLOCK_N: [32, 64]
+  WARPS: [4]
+  VEC: [8]
+timing: {warmup: 3, repetitions: 20, flush_l2: true, timeout_s: 20}
+search: {strategy: grid, budget: 10, top_k: 2}
+"""
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "evoengineer", *args], capture_output=True, text=True, cwd=cwd, timeout=900)
+
+
+def test_search_leaderboard_export_on_gpu(tmp_path: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    (tmp_path / "tiny.yaml").write_text(SPACE)
+    run = tmp_path / "run"
+    done = cli("search", "--space", "tiny.yaml", "--run-dir", str(run), "--retime-rounds", "2", "--quiet", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = [json.loads(l) for l in (run / "results.jsonl").read_text().splitlines()]
+    assert len(results) == 4 and all(r["status"] == "ok" for r in results), results
+    env = json.loads((run / "env.json").read_text())
+    assert env["gpu"] and env["sms"] > 0 and env["torch"]
+    board = json.loads(cli("leaderboard", str(run), "--json", cwd=tmp_path).stdout)
+    assert board["retimed"] and len(board["entries"]) == 2 and board["sdpa"]
+
+    out = tmp_path / "best"
+    assert cli("export", str(run), "--rank", "1", "--out", str(out), cwd=tmp_path).returncode == 0
+    sys.path.insert(0, str(out))
+    try:
+        from evo_attention import attention
+    finally:
+        sys.path.remove(str(out))
+    for d in (64, 128):
+        for causal in (False, True):
+            base = torch.randn(2, 333, 3, d, device="cuda", dtype=torch.float16)  # (B, S, H, D): strided views
+            q = base.transpose(1, 2)
+            k = torch.randn(2, 3, 333, d, device="cuda", dtype=torch.float16)
+            v = torch.randn(2, 3, 333, d, device="cuda", dtype=torch.float16)
+            out_t = attention(q, k, v, is_causal=causal)
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+            torch.testing.assert_close(out_t.float(), ref, atol=2e-2, rtol=2e-2)
+    with pytest.raises(TypeError, match="float16"):
+        attention(q.float(), k, v)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        x = torch.randn(1, 1, 8, 96, device="cuda", dtype=torch.float16)
+        attention(x, x, x)
