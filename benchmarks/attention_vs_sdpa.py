@@ -27,7 +27,7 @@ from evoengineer.space import load_space
 HAND_PICKED = {
     "scalar": "PATH=scalar,BLOCK_M=32,BLOCK_N=32,WARPS=4,VEC=8",
     "wmma": "PATH=wmma,BLOCK_M=64,BLOCK_N=64,WARPS=4,VEC=8",
-    "mma": "PATH=mma,BLOCK_M=64,BLOCK_N=64,WARPS=4,VEC=8",
+    "mma": "PATH=mma,BLOCK_M=128,BLOCK_N=64,WARPS=4,VEC=8,STAGES=2,SMEM_LAYOUT=swizzle,Q_IN_REGS=0,P_IN_REGS=1,SPLITS=1",
 }
 
 
