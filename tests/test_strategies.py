@@ -63,14 +63,15 @@ def _configs(study: optuna.Study, space: Space) -> list[Config]:
     return [Config({n: t.params[n] for n in space.param_names}) for t in sorted(study.trials, key=lambda t: t.number)]
 
 
-def _evaluations_to_optimum(name: str, seed: int, evaluator: ReplayEvaluator, space: Space, size: int) -> int:
+def _evaluations_to_optimum(name: str, seed: int, evaluator: ReplayEvaluator, space: Space, cap: int) -> int:
+    """Trials until one lands within ``WITHIN`` of the recorded optimum (``cap + 1``: not by ``cap``)."""
     _, best = evaluator.optimum()
     study = optuna.create_study(sampler=make_sampler(name, space, seed=seed))
-    for i in range(1, size + 1):
+    for i in range(1, cap + 1):
         _, result = replay_trial(study, space, evaluator)
         if result.ok and result.objective_us <= WITHIN * best:
             return i
-    return size + 1
+    return cap + 1
 
 
 # -- the conformance class every strategy passes ------------------------------------------
@@ -236,7 +237,9 @@ def test_evo_operators_stay_in_the_space(seed: int) -> None:
 def test_evo_reaches_the_optimum_before_random(recording) -> None:
     evaluator, space, valid = recording
     evo = [_evaluations_to_optimum("evo", s, evaluator, space, len(valid)) for s in RACE_SEEDS]
-    rnd = [_evaluations_to_optimum("random", s, evaluator, space, len(valid)) for s in RACE_SEEDS]
+    # capping random search just above evo's worst run leaves the comparison of medians unchanged
+    cap = min(len(valid), max(evo))
+    rnd = [_evaluations_to_optimum("random", s, evaluator, space, cap) for s in RACE_SEEDS]
     assert statistics.median(evo) < statistics.median(rnd), (sorted(evo), sorted(rnd))
 
 
