@@ -18,7 +18,7 @@ MODULE_NAME = "evo_attention"
 
 def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_name: str = MODULE_NAME) -> list[Path]:
     """Write ``<out>/<module>.py``, one ``.cu`` per problem variant and ``kernel.json``."""
-    from .render import Variant, render
+    from .render import Variant, from_source, render
 
     run = RunDir(Path(run_path))
     meta = run.meta()
@@ -29,7 +29,10 @@ def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_nam
                       key=lambda v: (v.head_dim, v.causal))
     kernels, written = [], []
     for variant in variants:
-        rendered = render(space.template, config, variant)
+        measured = run.path / "sources" / f"{config.key()}-{variant.label()}.cu"
+        # the source that was measured, where the run kept it; variants outside the space are rendered now
+        rendered = (from_source(space.template, config, variant, measured.read_text()) if measured.exists()
+                    else render(space.template, config, variant))
         cu = out / f"{module_name}_{variant.label()}.cu"
         cu.write_text(rendered.source)
         written.append(cu)

@@ -134,7 +134,11 @@ def render(template: str, config: Config, variant: Variant) -> Rendered:
         raise RenderError(f"template {template!r}: {exc.message}") from exc
     except jinja2.TemplateRuntimeError as exc:  # raised by {{ raise(...) }} style guards
         raise RenderError(f"template {template!r}: {exc}") from exc
-    source = header + body
+    return from_source(template, config, variant, header + body)
+
+
+def from_source(template: str, config: Config, variant: Variant, source: str) -> Rendered:
+    """A ``Rendered`` from source text that carries its own ``// LAUNCH`` lines (a saved candidate)."""
     launches, workspace = _parse_metadata(source)
     if not launches:
         raise RenderError(f"template {template!r} declared no '// LAUNCH' line")

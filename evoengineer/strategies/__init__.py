@@ -13,7 +13,7 @@ import optuna
 
 from ..candidate import Config
 from ..space import Space
-from .base import CLAIM_KEY, History, Proposal, SpaceSampler, read_history, trial_config
+from .base import CLAIM_KEY, History, HistoryReader, Proposal, SpaceSampler, read_history, trial_config
 from .evo import EvoSampler
 from .grid import GridSearchSampler
 from .random_search import RandomSearchSampler
@@ -31,6 +31,7 @@ __all__ = [
     "EvoSampler",
     "GridSearchSampler",
     "History",
+    "HistoryReader",
     "Proposal",
     "RandomSearchSampler",
     "SAMPLERS",

@@ -15,6 +15,7 @@ workers started with the same seed still draw differently.
 from __future__ import annotations
 
 import abc
+import bisect
 import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -32,7 +33,6 @@ CLAIM_KEY = "evoengineer:proposal"
 
 _CONFLICT_RETRIES = 3
 _REJECTION_TRIES = 32
-_CACHE_LIMIT = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -80,58 +80,71 @@ def _claimed(trial: FrozenTrial) -> dict[str, Any] | None:
     return claim.get("config") if isinstance(claim, dict) else None
 
 
-def read_history(
-    study: Study,
-    names: Sequence[str],
-    exclude: int | None = None,
-    cache: dict[int, _Entry] | None = None,
-) -> History:
-    """Collect the study's trials (all states) except trial number ``exclude``.
-
-    ``cache`` keeps what finished trials (which no longer change) hold, across calls.
-    """
-    history = History()
-    maximize = study.direction == StudyDirection.MAXIMIZE
-    complete: list[tuple[float, int, Config]] = []
-    for t in study.get_trials(deepcopy=False):
-        if t.number == exclude:
-            continue
-        history.n_trials += 1
-        entry = cache.get(t._trial_id) if cache is not None else None
-        if entry is None:
-            entry = _entry(t, names, maximize)
-            if cache is not None and entry.finished and len(cache) < _CACHE_LIMIT:
-                cache[t._trial_id] = entry
-        if entry.finished:
-            history.known.add(t._trial_id)
-        if entry.config is None:
-            continue
-        history.seen.add(entry.config)
-        if entry.score is not None:
-            complete.append((entry.score, t.number, entry.config))
-        elif entry.failed:
-            history.failed.append(entry.config)
-    complete.sort(key=lambda item: (item[0], item[1]))
-    sign = -1.0 if maximize else 1.0
-    history.complete = [(config, sign * score) for score, _, config in complete]
-    return history
+def read_history(study: Study, names: Sequence[str], exclude: int | None = None) -> History:
+    """Collect the study's trials (all states) except trial number ``exclude``."""
+    return HistoryReader(names).read(study, exclude)
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """What one trial holds: its configuration, and its score (lower is better) if complete."""
+class HistoryReader:
+    """Reads a study's history incrementally: finished trials, which no longer change, are
+    folded in once; pending trials (running, waiting) are read again on every call."""
 
-    config: Config | None
-    finished: bool
-    score: float | None
-    failed: bool
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = tuple(names)
+        self._study: tuple[int, int] | None = None
+        self._reset()
 
+    def _reset(self) -> None:
+        self._known: set[int] = set()
+        self._seen: set[Config] = set()
+        self._complete: list[tuple[Config, float]] = []
+        self._order: list[tuple[float, int]] = []
+        self._failed: list[Config] = []
 
-def _entry(t: FrozenTrial, names: Sequence[str], maximize: bool) -> _Entry:
-    score = None
-    if t.state == TrialState.COMPLETE and t.value is not None:
-        score = -t.value if maximize else t.value
-    return _Entry(trial_config(t, names), t.state.is_finished(), score, t.state == TrialState.FAIL)
+    def read(self, study: Study, exclude: int | None = None) -> History:
+        ident = (id(study._storage), study._study_id)
+        if ident != self._study:
+            self._study = ident
+            self._reset()
+        maximize = study.direction == StudyDirection.MAXIMIZE
+        n_trials = 0
+        pending: list[FrozenTrial] = []
+        for t in study.get_trials(deepcopy=False):
+            if t.number == exclude:
+                continue
+            n_trials += 1
+            if t._trial_id in self._known:
+                continue
+            if t.state.is_finished():
+                self._fold(t, maximize)
+            else:
+                pending.append(t)
+        history = History(
+            seen=set(self._seen),
+            complete=list(self._complete),
+            failed=list(self._failed),
+            n_trials=n_trials,
+            known=set(self._known),
+        )
+        for t in pending:
+            config = trial_config(t, self.names)
+            if config is not None:
+                history.seen.add(config)
+        return history
+
+    def _fold(self, t: FrozenTrial, maximize: bool) -> None:
+        self._known.add(t._trial_id)
+        config = trial_config(t, self.names)
+        if config is None:
+            return
+        self._seen.add(config)
+        if t.state == TrialState.COMPLETE and t.value is not None:
+            key = (-t.value if maximize else t.value, t.number)
+            at = bisect.bisect(self._order, key)
+            self._order.insert(at, key)
+            self._complete.insert(at, (config, t.value))
+        elif t.state == TrialState.FAIL:
+            self._failed.append(config)
 
 
 class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
@@ -154,7 +167,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         self._valid: list[Config] | None = None
         self._valid_set: frozenset[Config] | None = None
         self._proposals: dict[int, Config] = {}
-        self._entries: dict[int, _Entry] = {}
+        self._reader = HistoryReader(self._names)
         self._fallback = optuna.samplers.RandomSampler(seed=seed)
 
     def __str__(self) -> str:
@@ -197,7 +210,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         return history.seen.issuperset(self.valid_set)
 
     def history(self, study: Study, exclude: int | None = None) -> History:
-        return read_history(study, self._names, exclude, self._entries)
+        return self._reader.read(study, exclude)
 
     # -- what a strategy implements ----------------------------------------------
     @abc.abstractmethod

@@ -20,6 +20,8 @@ class GridSearchSampler(SpaceSampler):
         super().__init__(space, seed=seed)
         self.shuffle = shuffle
         self._order: list[Config] | None = None
+        self._study: tuple[int, int] | None = None
+        self._start = 0  # where the last scan found an unseen configuration
 
     @property
     def order(self) -> list[Config]:
@@ -31,7 +33,10 @@ class GridSearchSampler(SpaceSampler):
         return self._order
 
     def propose(self, study: Study, trial: FrozenTrial, history: History) -> Proposal:
-        for config in self.order:
-            if config not in history.seen:
-                return Proposal(config, "grid")
+        order = self.order
+        start = self._start if self._study == (id(study._storage), study._study_id) else 0
+        for i in (*range(start, len(order)), *range(start)):  # wrap: a claim may have been withdrawn
+            if order[i] not in history.seen:
+                self._study, self._start = (id(study._storage), study._study_id), i
+                return Proposal(order[i], "grid")
         return Proposal(self.order[0], "repeat")
