@@ -13,6 +13,7 @@ matmul FLOPs (halved for causal).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -22,12 +23,12 @@ from rich.table import Table
 
 from evoengineer.candidate import Config
 from evoengineer.evaluate import SDPA_BACKENDS, Evaluator, fastest_sdpa
-from evoengineer.space import load_space
+from evoengineer.space import Case, load_space
 
-HAND_PICKED = {
-    "scalar": "PATH=scalar,BLOCK_M=32,BLOCK_N=32,WARPS=4,VEC=8",
-    "wmma": "PATH=wmma,BLOCK_M=64,BLOCK_N=64,WARPS=4,VEC=8",
-    "mma": "PATH=mma,BLOCK_M=128,BLOCK_N=64,WARPS=4,VEC=8,STAGES=2,SMEM_LAYOUT=swizzle,Q_IN_REGS=0,P_IN_REGS=1,SPLITS=1",
+HAND_PICKED = {  # the best of each path in an h100 search (runs/h100, NVIDIA H100)
+    "scalar": "PATH=scalar,BLOCK_M=16,BLOCK_N=64,WARPS=4,VEC=8",
+    "wmma": "PATH=wmma,BLOCK_M=64,BLOCK_N=32,WARPS=2,VEC=8",
+    "mma": "PATH=mma,BLOCK_M=64,BLOCK_N=128,WARPS=4,VEC=8,STAGES=1,SMEM_LAYOUT=swizzle,Q_IN_REGS=0,P_IN_REGS=1,SPLITS=1",
 }
 
 
@@ -42,6 +43,12 @@ def configs_from_leaderboard(run: Path) -> list[Config]:
     return [Config(r["config"]) for r in sorted(best.values(), key=lambda r: r["objective_us"])]
 
 
+def column_name(config: dict) -> str:
+    """``mma 64x128 w4 s2``: the path and its tile, enough to tell configurations apart."""
+    name = f"{config['PATH']} {config['BLOCK_M']}x{config['BLOCK_N']} w{config['WARPS']}"
+    return name + (f" split{config['SPLITS']}" if config.get("SPLITS", 1) > 1 else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--space", default="h100")
@@ -49,9 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", action="append", default=[], help="a configuration NAME=VALUE,... (repeatable)")
     parser.add_argument("--json", type=Path, help="also write all figures to this file")
     parser.add_argument("--trials", type=int, default=2, help="gate draws per shape")
+    parser.add_argument("--shape", action="append", default=[], metavar="B,H,S,D",
+                        help="also measure this shape, full and causal (repeatable), e.g. 8,16,4096,128")
     args = parser.parse_args(argv)
 
     space = load_space(args.space)
+    extra = []
+    for text in args.shape:
+        b, h, seq, d = (int(x) for x in text.split(","))
+        extra += [Case(b, h, seq, d, False), Case(b, h, seq, d, True)]
+    if extra:
+        space = dataclasses.replace(space, cases=tuple(dict.fromkeys(space.cases + tuple(extra))))
     if args.config:
         configs = [Config.parse(c) for c in args.config]
     elif args.leaderboard:
@@ -77,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     for b in SDPA_BACKENDS:
         table.add_column(f"SDPA {b}", justify="right")
     for r in results:
-        table.add_column(f"{r.config['PATH']}\nµs | TF/s", justify="right")
-        table.add_column(f"{r.config['PATH']}\n/fastest /flash /cudnn", justify="right")
+        name = column_name(r.config)
+        table.add_column(f"{name}\nµs | TF/s", justify="right")
+        table.add_column(f"{name}\n/fastest /flash /cudnn", justify="right")
     rows = []
     for case in space.cases:
         label = case.label()
@@ -93,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             us = case_result["time"]["median_us"]
             ratios = [us / best[label][1]] + [us / row["sdpa"][b] if b in row["sdpa"] else float("nan") for b in ("flash", "cudnn")]
             cells += [f"{us:.1f} | {case_result['tflops']:.0f}", " ".join(f"{x:.2f}" for x in ratios)]
-            row[r.config["PATH"]] = {"config": r.config, "us": us,
+            row[column_name(r.config)] = {"config": r.config, "us": us,
                                      "tflops": case_result["tflops"], "ratio_fastest": ratios[0], "ratio_flash": ratios[1],
                                      "ratio_cudnn": ratios[2], "max_abs_err": case_result.get("max_abs_err")}
         table.add_row(label, *cells)
