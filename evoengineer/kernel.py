@@ -7,6 +7,7 @@ the GPU.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,4 +99,6 @@ def cupy_stream(torch_stream: Any) -> Any:
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None and hasattr(torch_stream, "__cuda_stream__"):
         return from_external(torch_stream)
-    return cupy.cuda.ExternalStream(torch_stream.cuda_stream)
+    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream in favour of from_external
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(torch_stream.cuda_stream)
