@@ -3,6 +3,7 @@ sm_90; `check` reports spills; packaging ships templates and spaces."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -76,15 +77,35 @@ def test_a_spilling_kernel_is_reported_as_spilling() -> None:
     assert roomy.ok and roomy.spill_bytes == 0
 
 
-def test_a_spilling_configuration_is_flagged_by_check(space_file, tmp_path: Path) -> None:
-    """The scalar path with one warp for 128 rows and wide K/V tiles keeps many values live."""
-    space = load_space("h100")
-    reports = [build_config(space.template, c, space.variants, "sm_90") for c in space.valid_configs()
-               if c["PATH"] == "scalar" and c["WARPS"] == 1 and c["BLOCK_M"] == 128 and c["VEC"] == 8]
-    flagged = [r for r in reports if r.spilling]
-    if not flagged:
-        pytest.skip("no configuration of the shipped scalar path spills on this NVRTC")
-    assert all(r.to_json()["spilling"] for r in flagged)
+SPILLING_SPACE = """
+name: spilling
+target: {name: NVIDIA L4, arch: sm_89, sms: 58, smem_per_block: 101376}
+problem: {shapes: [{B: 1, H: 8, S: 512, D: 64}]}
+template: flash_attention
+params:
+  PATH: [wmma]
+  BLOCK_M: [128]
+  BLOCK_N: [64, 32]
+  WARPS: [1, 4]
+  VEC: [8]
+"""
+
+
+def test_a_spilling_configuration_is_flagged_by_check(tmp_path: Path) -> None:
+    """One WMMA warp for a 128-row tile holds eight row groups of accumulators: it spills,
+    and `check` says so; four warps on the same tile do not."""
+    (tmp_path / "spilling.yaml").write_text(SPILLING_SPACE)
+    proc = subprocess.run([sys.executable, "-m", "evoengineer", "check", "--space", "spilling.yaml", "--json"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    by_warps = {(c["config"]["WARPS"], c["config"]["BLOCK_N"]): c for c in data["configs"]}
+    assert by_warps[(1, 64)]["spilling"] and by_warps[(1, 64)]["spill_bytes"] > 1000
+    assert not by_warps[(4, 64)]["spilling"]
+    assert data["summary"]["spilling"] == sum(c["spilling"] for c in data["configs"]) >= 2
+    table = subprocess.run([sys.executable, "-m", "evoengineer", "check", "--space", "spilling.yaml", "--quiet"],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=600, env={**os.environ, "COLUMNS": "200"})
+    assert "spills" in table.stdout and f"spilling {data['summary']['spilling']} in" in " ".join(table.stdout.split()), table.stdout
 
 
 def test_ptxas_log_parsing() -> None:
