@@ -153,6 +153,8 @@ def recover_interrupted(study: optuna.Study, run: RunDir, space: Space) -> int:
     recorded = {r["key"]: r for r in run.results()}
     recovered = 0
     for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        if frozen.user_attrs.get("run", run.path.name) != run.path.name:
+            continue  # another search sharing the study is evaluating it
         config = Config({k: frozen.params[k] for k in space.param_names if k in frozen.params})
         trial = optuna.Trial(study, frozen._trial_id)
         record = recorded.get(config.key()) if len(config) == len(space.param_names) else None
@@ -167,10 +169,13 @@ def recover_interrupted(study: optuna.Study, run: RunDir, space: Space) -> int:
     return recovered
 
 
+_COUNTED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.RUNNING)
+
+
 def counted_trials(study: optuna.Study) -> int:
-    """Evaluations that count against the budget (interrupted ones do not)."""
-    return sum(1 for t in study.get_trials(deepcopy=False)
-               if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) and t.user_attrs.get("status") != "interrupted")
+    """Evaluations that count against the budget: done or under way in any worker sharing
+    the study (interrupted ones and skipped duplicates do not)."""
+    return sum(1 for t in study.get_trials(deepcopy=False, states=_COUNTED) if t.user_attrs.get("status") != "interrupted")
 
 
 def _build_job(args: tuple) -> StaticReport:
@@ -202,15 +207,15 @@ def run_search(
     seen = {t.user_attrs.get("config_key") for t in study.get_trials(deepcopy=False)
             if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) and t.user_attrs.get("status") != "interrupted"}
     pending: deque[tuple[optuna.Trial, Config, Future | None]] = deque()
-    asked = counted_trials(study)
+    budget = min(trials, valid_total)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=compile_workers or max(1, (os.cpu_count() or 2) - 1), mp_context=ctx) as pool:
         while True:
             out_of_time = time_s is not None and stats.elapsed_s >= time_s
-            while not out_of_time and len(pending) < prefetch and asked < min(trials, valid_total):
+            while not out_of_time and len(pending) < prefetch and counted_trials(study) < budget:
                 trial = study.ask()
+                trial.set_user_attr("run", run.path.name)
                 config = suggest_config(trial, space)
-                asked += 1
                 if config.key() in seen:  # every valid configuration is taken; record the repeat, never re-time it
                     trial.set_user_attr("status", "duplicate")
                     study.tell(trial, state=optuna.trial.TrialState.PRUNED)

@@ -78,7 +78,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             run = RunDir.create(DEFAULT_RUNS, space)
         storage = args.storage or run.default_storage()
         meta = {"space": space.name, "space_path": str(space.path), "strategy": strategy, "seed": seed, "storage": storage,
-                "study_name": run.path.name, "trials": trials, "time_s": time_s, "top_k": top_k,
+                "study_name": args.study or run.path.name, "trials": trials, "time_s": time_s, "top_k": top_k,
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replay": str(args.replay) if args.replay else None}
 
     # -- the evaluator ------------------------------------------------------------------
@@ -111,7 +111,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     run.write_meta(meta)
     run.write_json("env.json", info)
 
-    study = open_study(space, run, strategy=strategy, seed=seed, storage=storage, study_name=meta["study_name"], resume=bool(args.resume))
+    study = open_study(space, run, strategy=strategy, seed=seed, storage=storage, study_name=meta["study_name"],
+                       resume=bool(args.resume or args.study))
     if args.resume:
         recovered = recover_interrupted(study, run, space)
         if recovered:
@@ -265,8 +266,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, dest="top_k", help="finalists to re-time for the leaderboard (default: the space's)")
     p.add_argument("--seed", type=int, default=0, help="strategy and input seed (default 0)")
     p.add_argument("--run-dir", help="the run's directory (default runs/<date>-<space>-<id>/)")
-    p.add_argument("--storage", help="Optuna storage URL for the study (default: SQLite inside the run directory); "
-                   "several searches given one URL and --run-dir share the study")
+    p.add_argument("--storage", help="Optuna storage URL for the study (default: SQLite inside the run directory)")
+    p.add_argument("--study", help="study name to create or join in --storage: several searches (one per GPU or host, "
+                   "each with its own run directory) given the same --storage and --study share one search")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir (default: the latest run of the space)")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     p.add_argument("--retime-rounds", type=int, default=3, help="interleaved re-timing rounds for the finalists (default 3)")

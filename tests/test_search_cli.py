@@ -111,3 +111,22 @@ def test_search_without_gpu_points_to_check(tmp_path: Path) -> None:
     proc = cli("search", "--space", "spaces/l4.yaml", cwd=tmp_path)
     assert proc.returncode == 2
     assert "evoengineer check" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_two_searches_share_one_study(tmp_path: Path, space_yaml: Path) -> None:
+    """Scale-out: two processes, one SQLite storage and study name, separate run directories:
+    one budget, no configuration evaluated twice."""
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "evoengineer", "search", "--space", str(space_yaml), "--replay", str(RECORDING),
+                          "--trials", "30", "--strategy", "evo", "--seed", str(i), "--run-dir", str(tmp_path / f"run{i}"),
+                          "--storage", storage, "--study", "shared", "--quiet", "--replay-delay", "0.05"],
+                         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for i in (1, 2)
+    ]
+    for proc in procs:
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    keys = _keys(tmp_path / "run1") + _keys(tmp_path / "run2")
+    assert len(keys) == len(set(keys)), "a configuration was evaluated twice"
+    assert 30 <= len(keys) <= 31  # the budget is shared (a last ask may race past it by one)
+    assert _keys(tmp_path / "run1") and _keys(tmp_path / "run2")
