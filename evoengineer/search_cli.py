@@ -253,6 +253,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    try:
+        from .plot import plot_run
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("plotting needs matplotlib: pip install 'evoengineer[plot]'") from None
+    run = _run_path(args.run)
+    out = plot_run(run, Path(args.out) if args.out else run / "progress.png")
+    Console(highlight=False).print(f"wrote {out}")
+    return EXIT_OK
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("search", help="search a space for the fastest correct kernel (GPU)",
                        description="Propose valid configurations with a strategy, compile ahead in parallel, gate and "
@@ -289,6 +301,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     fmt.add_argument("--json", action="store_true")
     fmt.add_argument("--csv", action="store_true")
     p.set_defaults(func=cmd_leaderboard)
+
+    p = sub.add_parser("plot", help="plot a run: each evaluation, the best so far, SDPA lines (PNG)")
+    p.add_argument("run", help="a run directory (runs/<run>)")
+    p.add_argument("--out", help="PNG path (default runs/<run>/progress.png)")
+    p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("export", help="write a drop-in kernel: source, launch metadata, a Python module")
     p.add_argument("run", help="a run directory (runs/<run>)")

@@ -81,6 +81,10 @@ def test_leaderboard_and_export_from_a_run(tmp_path: Path, space_yaml: Path) -> 
     csv_text = cli("leaderboard", str(run), "--csv", cwd=tmp_path).stdout
     assert csv_text.splitlines()[0].startswith("rank,config,geomean_us")
 
+    plotted = cli("plot", str(run), "--out", str(tmp_path / "progress.png"), cwd=tmp_path)
+    assert plotted.returncode == 0, plotted.stderr
+    assert (tmp_path / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
     listed = json.loads(cli("runs", "--root", str(tmp_path), "--json", cwd=tmp_path).stdout)
     assert listed and listed[0]["evaluations"] == 25
 
