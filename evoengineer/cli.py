@@ -6,7 +6,6 @@ import json
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Sequence
 
 from rich.console import Console

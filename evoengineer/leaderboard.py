@@ -5,7 +5,6 @@ import csv
 import io
 import json
 from pathlib import Path
-from typing import Any
 
 from rich.table import Table
 

@@ -7,7 +7,6 @@ SPLITS > 1 with its combine launch.
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 
@@ -56,27 +55,12 @@ SHAPES = [  # (B, H, S, D)
 
 
 def _launch(rendered: Rendered, q, k, v, o) -> None:
-    import cupy
     from evoengineer.compile import compile_source
+    from evoengineer.kernel import AttentionKernel
 
     res = compile_source(rendered.source, "sm_%d%d" % torch.cuda.get_device_capability())
     assert res.ok, res.error
-    mod = cupy.RawModule(path=res.cubin_path)
-    B, H, S, D = q.shape
-    ws = torch.full((max(1, rendered.workspace_floats(B, H, S)),), float("nan"), device="cuda", dtype=torch.float32)
-
-    def strides(t):
-        return tuple(cupy.int64(s) for s in t.stride()[:3])
-
-    args = (cupy.uint64(q.data_ptr()), cupy.uint64(k.data_ptr()), cupy.uint64(v.data_ptr()), cupy.uint64(o.data_ptr()),
-            cupy.uint64(ws.data_ptr()), cupy.int32(B), cupy.int32(H), cupy.int32(S), cupy.int32(k.shape[2]),
-            *strides(q), *strides(k), *strides(v), *strides(o), cupy.float32(math.log2(math.e) / math.sqrt(D)))
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        for launch in rendered.launches:
-            fn = mod.get_function(launch.kernel)
-            if launch.smem > 48 * 1024:
-                fn.max_dynamic_shared_size_bytes = launch.smem
-            fn(launch.grid(B, H, S), launch.block, args, shared_mem=launch.smem)
+    AttentionKernel(rendered, res.cubin_path)(q, k, v, o)
     torch.cuda.synchronize()
 
 
