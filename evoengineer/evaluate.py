@@ -290,7 +290,7 @@ def _sdpa_job(job: dict) -> dict:
     for backend in job["backends"]:
         try:
             ops = [sdpa_op(backend, q, k, v, case.causal, job["scale"]) for q, k, v, _ in sets]
-            timed = time_graph_safe(ops, job["timing"])
+            timed = _time_ops(ops, job["timing"])
             out[backend] = {"status": "ok", "time": timed, "tflops": case.flops() / (timed["median_us"] * 1e-6) / 1e12}
         except Exception as exc:  # noqa: BLE001 - a backend that does not support the shape is a row, not a crash
             torch.cuda.synchronize()
@@ -298,7 +298,7 @@ def _sdpa_job(job: dict) -> dict:
     return {"status": "ok", "backends": out}
 
 
-def time_graph_safe(ops: Sequence[Callable[[], Any]], timing: dict) -> dict:
+def _time_ops(ops: Sequence[Callable[[], Any]], timing: dict) -> dict:
     from .timing import time_graph
 
     return time_graph(ops, repetitions=timing["repetitions"], warmup=timing["warmup"]).to_json()
