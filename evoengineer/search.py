@@ -25,7 +25,7 @@ import optuna
 from .candidate import Config
 from .evaluate import STATUSES, EvalResult
 from .space import Space
-from .static import StaticReport, build_config
+from .static import StaticReport, build_config_job
 from .strategies import make_sampler, suggest_config
 
 RESULTS = "results.jsonl"
@@ -178,10 +178,6 @@ def counted_trials(study: optuna.Study) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False, states=_COUNTED) if t.user_attrs.get("status") != "interrupted")
 
 
-def _build_job(args: tuple) -> StaticReport:
-    return build_config(*args)
-
-
 def run_search(
     space: Space,
     evaluator: CandidateEvaluator,
@@ -222,7 +218,7 @@ def run_search(
                     continue
                 seen.add(config.key())
                 job = (space.template, config, space.variants, arch, space.target.smem_per_block)
-                pending.append((trial, config, pool.submit(_build_job, job) if build else None))
+                pending.append((trial, config, pool.submit(build_config_job, job) if build else None))
             if not pending:
                 break
             trial, config, future = pending.popleft()

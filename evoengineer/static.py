@@ -10,7 +10,7 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from .candidate import Config
 from .compile import DEFAULT_OPTIONS, CompileResult, compile_source
@@ -117,7 +117,8 @@ def build_config(
     return StaticReport(config, arch, tuple(builds))
 
 
-def _build_job(args: tuple) -> StaticReport:
+def build_config_job(args: tuple) -> StaticReport:
+    """``build_config(*args)``: a picklable job for a process pool."""
     return build_config(*args)
 
 
@@ -129,20 +130,12 @@ def build_many(
     smem_limit: int | None = None,
     *,
     workers: int | None = None,
-    on_done: Callable[[StaticReport], None] | None = None,
 ) -> Iterator[StaticReport]:
     """Build configurations in parallel processes (one per core); yields in input order."""
     jobs = [(template, c, tuple(variants), arch, smem_limit) for c in configs]
     workers = workers or max(1, os.cpu_count() or 1)
     if workers == 1 or len(jobs) <= 1:
-        for job in jobs:
-            report = _build_job(job)
-            if on_done:
-                on_done(report)
-            yield report
+        yield from map(build_config_job, jobs)
         return
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for report in pool.map(_build_job, jobs, chunksize=1):
-            if on_done:
-                on_done(report)
-            yield report
+        yield from pool.map(build_config_job, jobs, chunksize=1)
