@@ -134,3 +134,21 @@ def test_two_searches_share_one_study(tmp_path: Path, space_yaml: Path) -> None:
     assert len(keys) == len(set(keys)), "a configuration was evaluated twice"
     assert 30 <= len(keys) <= 31  # the budget is shared (a last ask may race past it by one)
     assert _keys(tmp_path / "run1") and _keys(tmp_path / "run2")
+
+
+def test_candidates_compile_ahead_and_their_sources_are_kept(tmp_path: Path, space_yaml: Path) -> None:
+    """The search loop compiles the next candidates in other processes (real NVRTC) and keeps
+    each candidate's source in the run directory; the recording answers for the GPU."""
+    from evoengineer.search import RunDir, open_study, run_search
+    from evoengineer.search_cli import ReplayCandidates
+    from evoengineer.space import load_space
+
+    space = load_space(space_yaml)
+    run = RunDir.create(tmp_path / "runs", space)
+    study = open_study(space, run, strategy="random", seed=3, storage=None, study_name=None, resume=False)
+    stats = run_search(space, ReplayCandidates(RECORDING), run, study, arch="sm_90", trials=4, build=True, compile_workers=2)
+    assert stats.evaluated == 4 and sum(stats.counts.values()) == 4
+    keys = _keys(run.path)
+    sources = sorted(p.name for p in (run.path / "sources").iterdir())
+    assert sources == sorted(f"{k}-{v.label()}.cu" for k in keys for v in space.variants)
+    assert all("LAUNCH" in (run.path / "sources" / name).read_text() for name in sources)
