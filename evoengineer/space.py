@@ -79,6 +79,14 @@ class Param:
         """Numeric parameters are ordered: mutation moves to a neighbouring value."""
         return all(isinstance(v, int) and not isinstance(v, bool) for v in self.values)
 
+    def steps(self, value: ParamValue) -> list[ParamValue]:
+        """Values one step from ``value``: the adjacent ones of an ordinal parameter, every
+        other one of a categorical parameter."""
+        idx = self.values.index(value)
+        if self.ordinal:
+            return [self.values[i] for i in (idx - 1, idx + 1) if 0 <= i < len(self.values)]
+        return [v for v in self.values if v != value]
+
 
 @dataclass(frozen=True)
 class Constraint:
@@ -195,12 +203,7 @@ class Space:
         value, or a categorical parameter changed to another value."""
         out: list[Config] = []
         for p in self.params:
-            idx = p.values.index(config[p.name])
-            if p.ordinal:
-                choices = [p.values[i] for i in (idx - 1, idx + 1) if 0 <= i < len(p.values)]
-            else:
-                choices = [v for v in p.values if v != config[p.name]]
-            for value in choices:
+            for value in p.steps(config[p.name]):
                 candidate = config.replace(**{p.name: value})
                 if not self.violations(candidate):
                     out.append(candidate)

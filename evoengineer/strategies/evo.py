@@ -116,19 +116,9 @@ class EvoSampler(SpaceSampler):
         """Configurations one mutation step away (valid or not), in parameter order."""
         out = []
         for p in self._mutable:
-            idx = p.values.index(config[p.name])
-            if p.ordinal:
-                values = [p.values[i] for i in (idx - 1, idx + 1) if 0 <= i < len(p.values)]
-            else:
-                values = [v for v in p.values if v != config[p.name]]
-            out.extend(config.replace(**{p.name: v}) for v in values)
+            out.extend(config.replace(**{p.name: v}) for v in p.steps(config[p.name]))
         return out
 
     def _step(self, param: Param, value: object) -> object:
         """An ordinal parameter moves to an adjacent value; a categorical one to another value."""
-        values = param.values
-        idx = values.index(value)
-        if param.ordinal:
-            moves = [i for i in (idx - 1, idx + 1) if 0 <= i < len(values)]
-            return values[self._rng.choice(moves)]
-        return self._rng.choice([v for v in values if v != value])
+        return self._rng.choice(param.steps(value))
