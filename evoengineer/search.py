@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import optuna
+import sqlalchemy.exc
 
 from .candidate import Config
 from .evaluate import STATUSES, EvalResult
@@ -144,7 +145,15 @@ def open_study(space: Space, run: RunDir, *, strategy: str, seed: int | None, st
     sampler = make_sampler(strategy, space, seed=seed)
     storage = storage or run.default_storage()
     name = study_name or run.path.name
-    return optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize", load_if_exists=resume)
+    for attempt in range(6):
+        try:
+            return optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
+                                       load_if_exists=resume)
+        except sqlalchemy.exc.SQLAlchemyError:  # workers that start together race to create the storage's tables
+            if attempt == 5:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def recover_interrupted(study: optuna.Study, run: RunDir, space: Space) -> int:
