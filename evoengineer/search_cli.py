@@ -15,7 +15,7 @@ from .candidate import Config
 from .cli import EXIT_FAILED, EXIT_OK, UsageError, _EXTRA_COMMANDS, _load_space
 from .evaluate import EvalResult, fastest_sdpa
 from .search import RunDir, SearchStats, best_results, geomean, open_study, recover_interrupted, run_search
-from .space import STRATEGIES, Space, parse_duration
+from .space import STRATEGIES, Space, parse_duration, parse_shape
 from .static import StaticReport
 
 DEFAULT_RUNS = Path("runs")
@@ -45,6 +45,16 @@ def _latest_run(root: Path, space: Space) -> Path:
     return runs[-1]
 
 
+def _restrict_shapes(space: Space, shapes: list[str] | None) -> Space:
+    """The space cut down to ``--shape`` entries (all of its shapes when none are given)."""
+    if not shapes:
+        return space
+    try:
+        return space.with_shapes([parse_shape(s) for s in shapes])
+    except ValueError as exc:
+        raise UsageError(f"--shape: {exc}") from None
+
+
 def cmd_search(args: argparse.Namespace) -> int:
     space = _load_space(args.space)
     console = Console(highlight=False)
@@ -63,7 +73,11 @@ def cmd_search(args: argparse.Namespace) -> int:
         run = RunDir(path)
         meta = run.meta()
         strategy, seed, storage = meta["strategy"], meta["seed"], meta["storage"]
+        if args.shape and sorted(args.shape) != sorted(meta.get("shapes") or []):
+            raise UsageError(f"--resume: the run in {path} searched shapes {meta.get('shapes') or 'all'}; resume it without --shape")
+        space = _restrict_shapes(space, meta.get("shapes"))
     else:
+        space = _restrict_shapes(space, args.shape)
         strategy, seed = args.strategy or space.search.strategy, args.seed
         if args.run_dir:
             path = Path(args.run_dir)
@@ -78,7 +92,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         storage = args.storage or run.default_storage()
         meta = {"space": space.name, "space_path": str(space.path), "strategy": strategy, "seed": seed, "storage": storage,
                 "study_name": args.study or run.path.name, "trials": trials, "time_s": time_s, "top_k": top_k,
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replay": str(args.replay) if args.replay else None}
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replay": str(args.replay) if args.replay else None,
+                "shapes": args.shape or None}
 
     # -- the evaluator ------------------------------------------------------------------
     evaluator: Any
@@ -276,6 +291,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time", help="time budget such as 90s, 15m, 1h (default: the space's search.time)")
     p.add_argument("--top-k", type=int, dest="top_k", help="finalists to re-time for the leaderboard (default: the space's)")
     p.add_argument("--seed", type=int, default=0, help="strategy and input seed (default 0)")
+    p.add_argument("--shape", action="append", metavar="B,H,S,D",
+                   help="search only this shape of the space, full and causal (repeatable; default: every shape). "
+                        "One search per regime finds each its own winner, e.g. --shape 1,8,512,64 for the small, "
+                        "latency-bound shape")
     p.add_argument("--run-dir", help="the run's directory (default runs/<date>-<space>-<id>/)")
     p.add_argument("--storage", help="Optuna storage URL for the study (default: SQLite inside the run directory)")
     p.add_argument("--study", help="study name to create or join in --storage: several searches (one per GPU or host, "

@@ -12,7 +12,7 @@ import itertools
 import math
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -145,6 +145,16 @@ class Space:
             if p.name == name:
                 return p
         raise KeyError(name)
+
+    def with_shapes(self, shapes: Sequence[tuple[int, int, int, int]]) -> "Space":
+        """This space restricted to the cases whose (B, H, S, D) is in ``shapes`` (full and causal)."""
+        have = [(c.batch, c.heads, c.seq, c.head_dim) for c in self.cases]
+        for shape in shapes:
+            if tuple(shape) not in have:
+                listed = ", ".join(dict.fromkeys(",".join(map(str, h)) for h in have))
+                raise SpaceError(self.path, "problem.shapes", f"no shape {','.join(map(str, shape))} (B,H,S,D) in this space; it has {listed}")
+        wanted = {tuple(s) for s in shapes}
+        return replace(self, cases=tuple(c for c, h in zip(self.cases, have) if h in wanted))
 
     @property
     def variants(self) -> tuple[Variant, ...]:
@@ -463,6 +473,15 @@ def parse_duration(raw: Any) -> float:
     if seconds <= 0:
         raise ValueError(f"duration must be positive, got {raw!r}")
     return seconds
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """``'1,8,512,64'`` -> (B, H, S, D)."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"expected B,H,S,D as four positive integers such as 1,8,512,64, got {text!r}")
+    b, h, s, d = (int(p) for p in parts)
+    return b, h, s, d
 
 
 def _hint(word: str, choices: Sequence[str]) -> str:

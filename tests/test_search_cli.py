@@ -152,3 +152,30 @@ def test_candidates_compile_ahead_and_their_sources_are_kept(tmp_path: Path, spa
     sources = sorted(p.name for p in (run.path / "sources").iterdir())
     assert sources == sorted(f"{k}-{v.label()}.cu" for k in keys for v in space.variants)
     assert all("LAUNCH" in (run.path / "sources" / name).read_text() for name in sources)
+
+
+def test_search_restricted_to_one_shape_records_it_and_resumes_with_it(tmp_path: Path, space_yaml: Path) -> None:
+    doc = yaml.safe_load(space_yaml.read_text())
+    doc["problem"]["shapes"].append({"B": 2, "H": 4, "S": 256, "D": 64, "causal": [False, True]})
+    two = tmp_path / "two_shapes.yaml"
+    two.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = tmp_path / "run"
+    base = ["search", "--space", str(two), "--replay", str(RECORDING), "--strategy", "random", "--run-dir", str(run), "--quiet"]
+
+    done = cli(*base, "--trials", "6", "--shape", "2,4,256,64", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + done.stdout
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["shapes"] == ["2,4,256,64"]
+    assert sorted(meta["case_flops"]) == ["B2 H4 S256 D64", "B2 H4 S256 D64 causal"]
+
+    other = cli(*base, "--trials", "8", "--resume", "--shape", "1,8,512,64", cwd=tmp_path)
+    assert other.returncode == 2 and "--resume" in other.stderr and "Traceback" not in other.stderr
+    resumed = cli(*base, "--trials", "8", "--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    assert json.loads((run / "run.json").read_text())["shapes"] == ["2,4,256,64"]
+    assert len(_keys(run)) == 8
+
+    missing = cli("search", "--space", str(two), "--replay", str(RECORDING), "--shape", "9,9,9,64", "--quiet",
+                  "--run-dir", str(tmp_path / "other"), cwd=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().count("\n") == 0 and "no shape 9,9,9,64" in missing.stderr
