@@ -1,14 +1,18 @@
-"""The best configuration of each path (scalar, wmma, mma) against every SDPA backend.
+"""The best configuration of each path (scalar, wmma, mma) for every shape, against every SDPA backend.
 
-Every figure comes from one run on one GPU: each configuration is gated and timed by
-the same harness (CUDA-graph replay, device time, cold L2) that times SDPA's backends.
+Every figure comes from one run on one GPU: each candidate configuration is gated and
+timed by the same harness (CUDA-graph replay, device time, cold L2) that times SDPA's
+backends, on every shape; then, for each shape and path, the fastest candidate of that
+path in this run is reported with its ratios.
 
     python benchmarks/attention_vs_sdpa.py --space h100                      # hand-picked configs
-    python benchmarks/attention_vs_sdpa.py --space h100 --leaderboard runs/<run>
+    python benchmarks/attention_vs_sdpa.py --space h100 --leaderboard runs/<run> [--leaderboard runs/<run2>]
     python benchmarks/attention_vs_sdpa.py --space h100 --config PATH=wmma,BLOCK_M=64,...
 
-Ratios are time / SDPA backend's time (below 1: faster than SDPA); TF/s counts the
-matmul FLOPs (halved for causal).
+With --leaderboard, the candidates are, for each shape a run searched and each path, the
+configuration with the shortest recorded time on that shape (searches restricted with
+``search --shape`` contribute their own shapes). Ratios are time / SDPA backend's time
+(below 1: faster than SDPA); TF/s counts the matmul FLOPs (halved for causal).
 """
 from __future__ import annotations
 
@@ -16,43 +20,62 @@ import argparse
 import dataclasses
 import json
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from evoengineer.candidate import Config
-from evoengineer.evaluate import SDPA_BACKENDS, Evaluator, fastest_sdpa
-from evoengineer.space import Case, load_space
+from evoengineer.evaluate import SDPA_BACKENDS, EvalResult, Evaluator, fastest_sdpa
+from evoengineer.space import Case, load_space, parse_shape
 
-HAND_PICKED = {  # the best of each path in an h100 search (runs/h100, NVIDIA H100)
-    "scalar": "PATH=scalar,BLOCK_M=16,BLOCK_N=64,WARPS=4,VEC=8",
-    "wmma": "PATH=wmma,BLOCK_M=64,BLOCK_N=32,WARPS=2,VEC=8",
-    "mma": "PATH=mma,BLOCK_M=64,BLOCK_N=128,WARPS=4,VEC=8,STAGES=1,SMEM_LAYOUT=swizzle,Q_IN_REGS=0,P_IN_REGS=1,SPLITS=1",
-}
-
-
-def configs_from_leaderboard(run: Path) -> list[Config]:
-    """The fastest ok configuration of each path among a run's results."""
-    best: dict[str, dict] = {}
-    for line in (run / "results.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        path = r["config"]["PATH"]
-        if r["status"] == "ok" and (path not in best or r["objective_us"] < best[path]["objective_us"]):
-            best[path] = r
-    return [Config(r["config"]) for r in sorted(best.values(), key=lambda r: r["objective_us"])]
+HAND_PICKED = [  # per-regime winners of h100 searches (NVIDIA H100)
+    "PATH=scalar,BLOCK_M=16,BLOCK_N=64,WARPS=4,VEC=8",
+    "PATH=wmma,BLOCK_M=64,BLOCK_N=32,WARPS=2,VEC=8",
+    "PATH=mma,BLOCK_M=128,BLOCK_N=64,WARPS=4,VEC=8,STAGES=1,SMEM_LAYOUT=swizzle,Q_IN_REGS=0,P_IN_REGS=1,SPLITS=1,KV_GROUPS=1",
+    "PATH=mma,BLOCK_M=32,BLOCK_N=64,WARPS=8,VEC=8,STAGES=1,SMEM_LAYOUT=swizzle,Q_IN_REGS=1,P_IN_REGS=1,SPLITS=1,KV_GROUPS=4",
+]
 
 
-def column_name(config: dict) -> str:
-    """``mma 64x128 w4 s2``: the path and its tile, enough to tell configurations apart."""
+def configs_from_leaderboards(runs: list[Path]) -> list[Config]:
+    """For each shape and path the runs recorded, the configuration with the shortest time on that shape."""
+    best: dict[tuple[str, str], tuple[float, dict]] = {}
+    for run in runs:
+        for line in (run / "results.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if r.get("status") != "ok":
+                continue
+            for case in r.get("cases", []):
+                us = (case.get("time") or {}).get("median_us")
+                key = (case["label"], r["config"]["PATH"])
+                if us is not None and (key not in best or us < best[key][0]):
+                    best[key] = (us, r["config"])
+    picked = {Config(cfg).key(): Config(cfg) for _, cfg in sorted(best.values(), key=lambda x: x[0])}
+    return list(picked.values())
+
+
+def short_name(config: dict) -> str:
+    """``mma 64x128 w4 st1 g4``: the path, its tile and the switches that are not at their usual value."""
     name = f"{config['PATH']} {config['BLOCK_M']}x{config['BLOCK_N']} w{config['WARPS']}"
-    return name + (f" split{config['SPLITS']}" if config.get("SPLITS", 1) > 1 else "")
+    if config["PATH"] == "mma":
+        name += f" st{config.get('STAGES', 2)}" + (" q" if config.get("Q_IN_REGS") else "")
+        name += "" if config.get("P_IN_REGS", 1) else " p-smem"
+        name += " pad" if config.get("SMEM_LAYOUT") == "pad" else ""
+        name += f" split{config['SPLITS']}" if config.get("SPLITS", 1) > 1 else ""
+        name += f" g{config['KV_GROUPS']}" if config.get("KV_GROUPS", 1) > 1 else ""
+    return name
+
+
+def case_time(result: EvalResult, label: str) -> dict | None:
+    return next((c for c in result.cases if c["label"] == label and c.get("time")), None)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--space", default="h100")
-    parser.add_argument("--leaderboard", type=Path, help="a run directory: its best configuration per path")
+    parser.add_argument("--leaderboard", type=Path, action="append", default=[],
+                        help="a run directory (repeatable): its best configuration per path for each shape it searched")
     parser.add_argument("--config", action="append", default=[], help="a configuration NAME=VALUE,... (repeatable)")
     parser.add_argument("--json", type=Path, help="also write all figures to this file")
     parser.add_argument("--trials", type=int, default=2, help="gate draws per shape")
@@ -63,63 +86,82 @@ def main(argv: list[str] | None = None) -> int:
     space = load_space(args.space)
     extra = []
     for text in args.shape:
-        b, h, seq, d = (int(x) for x in text.split(","))
+        b, h, seq, d = parse_shape(text)
         extra += [Case(b, h, seq, d, False), Case(b, h, seq, d, True)]
     if extra:
         space = dataclasses.replace(space, cases=tuple(dict.fromkeys(space.cases + tuple(extra))))
-    if args.config:
-        configs = [Config.parse(c) for c in args.config]
-    elif args.leaderboard:
-        configs = configs_from_leaderboard(args.leaderboard)
-    else:
+    configs = [Config.parse(c) for c in args.config]
+    configs += configs_from_leaderboards(args.leaderboard)
+    if not configs:
         paths = space.param("PATH").values
-        configs = [Config.parse(HAND_PICKED[p]) for p in paths if p in HAND_PICKED]
+        configs = [c for c in map(Config.parse, HAND_PICKED) if c["PATH"] in paths]
     configs = [Config({p.name: c.get(p.name, p.values[0]) for p in space.params}) for c in configs]
 
     console = Console(highlight=False, width=200)
+    # A configuration valid only for one head dim (e.g. from a search restricted with --shape) is
+    # measured on that head dim's shapes.
+    dims = sorted({c.head_dim for c in space.cases})
+    spaces = [space] + [space.with_shapes(list(dict.fromkeys((c.batch, c.heads, c.seq, c.head_dim) for c in space.cases
+                                                             if c.head_dim == d))) for d in dims]
     results = []
-    with Evaluator(space, gate_trials=args.trials) as ev:
-        info = ev.info()
-        ev.arch = info["arch"]
-        baseline = ev.baseline()
+    with ExitStack() as stack:
+        evaluators: dict[int, Evaluator] = {}
+
+        def evaluator_for(i: int) -> Evaluator:
+            if i not in evaluators:
+                ev = stack.enter_context(Evaluator(spaces[i], gate_trials=args.trials))
+                ev.arch = ev.info()["arch"]
+                evaluators[i] = ev
+            return evaluators[i]
+
+        main_ev = evaluator_for(0)
+        info = main_ev.info()
+        baseline = main_ev.baseline()
         for config in configs:
             console.print(f"evaluating {config.label()}", style="dim")
-            results.append(ev.evaluate(config))
+            where = next((i for i, sp in enumerate(spaces) if sp.contains(config)), 0)
+            results.append(evaluator_for(where).evaluate(config))
     best = fastest_sdpa(baseline)
+    paths = [p for p in space.param("PATH").values if any(r.config["PATH"] == p and r.ok for r in results)]
+    names = {r.key: f"#{i + 1}" for i, r in enumerate(results)}
 
-    table = Table(title=f"{space.name} on {info['gpu']}: device time µs, ratio = time / SDPA time (< 1 is faster)")
+    table = Table(title=f"{space.name} on {info['gpu']}: device time µs; ratio = time / SDPA time (< 1 is faster); "
+                        f"per shape, the fastest candidate of each path ({len(results)} candidates, one run)")
     table.add_column("shape")
     for b in SDPA_BACKENDS:
         table.add_column(f"SDPA {b}", justify="right")
-    for r in results:
-        name = column_name(r.config)
-        table.add_column(f"{name}\nµs | TF/s", justify="right")
-        table.add_column(f"{name}\n/fastest /flash /cudnn", justify="right")
+    for p in paths:
+        table.add_column(f"best {p}\nµs | TF/s", justify="right")
+        table.add_column(f"{p}\n/fastest /flash /cudnn", justify="right")
+        table.add_column(f"{p}\nconfig", justify="left")
     rows = []
     for case in space.cases:
         label = case.label()
         sd = baseline.get(label, {})
         cells = [f"{sd[b]['time']['median_us']:.1f}" if sd.get(b, {}).get("status") == "ok" else "-" for b in SDPA_BACKENDS]
         row = {"shape": label, "sdpa": {b: sd[b]["time"]["median_us"] for b in SDPA_BACKENDS if sd.get(b, {}).get("status") == "ok"}}
-        for r in results:
-            case_result = next((c for c in r.cases if c["label"] == label and c.get("time")), None)
-            if case_result is None:
-                cells += [r.status, r.reason[:40]]
+        for p in paths:
+            timed = [(case_time(r, label), r) for r in results if r.config["PATH"] == p and r.ok]
+            timed = [(c, r) for c, r in timed if c is not None]
+            if not timed:
+                cells += ["-", "-", "-"]
                 continue
-            us = case_result["time"]["median_us"]
-            ratios = [us / best[label][1]] + [us / row["sdpa"][b] if b in row["sdpa"] else float("nan") for b in ("flash", "cudnn")]
-            cells += [f"{us:.1f} | {case_result['tflops']:.0f}", " ".join(f"{x:.2f}" for x in ratios)]
-            row[column_name(r.config)] = {"config": r.config, "us": us,
-                                     "tflops": case_result["tflops"], "ratio_fastest": ratios[0], "ratio_flash": ratios[1],
-                                     "ratio_cudnn": ratios[2], "max_abs_err": case_result.get("max_abs_err")}
+            c, r = min(timed, key=lambda x: x[0]["time"]["median_us"])
+            us = c["time"]["median_us"]
+            ratios = [us / best[label][1] if label in best else float("nan")]
+            ratios += [us / row["sdpa"][b] if b in row["sdpa"] else float("nan") for b in ("flash", "cudnn")]
+            cells += [f"{us:.1f} | {c['tflops']:.0f}", " ".join(f"{x:.2f}" for x in ratios), names[r.key]]
+            row[p] = {"config": r.config, "us": us, "tflops": c["tflops"], "ratio_fastest": ratios[0],
+                      "ratio_flash": ratios[1], "ratio_cudnn": ratios[2], "max_abs_err": c.get("max_abs_err")}
         table.add_row(label, *cells)
         rows.append(row)
     console.print(table)
     for r in results:
         status = f"{r.status} {r.reason}".strip()
-        console.print(f"{r.config['PATH']}: {Config(r.config).label()}  {status}  "
-                      f"resources {r.resources}  gate max abs err "
-                      f"{max((c.get('max_abs_err') or 0) for c in r.cases) if r.cases else '-'}")
+        err = max((c.get("max_abs_err") or 0) for c in r.cases) if r.cases else "-"
+        console.print(f"{names[r.key]} {short_name(r.config)}: {Config(r.config).label()}  {status}  "
+                      f"registers {r.resources.get('registers')}, smem {r.resources.get('smem')}, "
+                      f"spills {r.resources.get('spill_bytes')}  gate max abs err {err}")
     if args.json:
         args.json.write_text(json.dumps({"gpu": info, "space": space.name, "baseline": baseline, "rows": rows,
                                          "results": [r.to_json() for r in results]}, indent=1))

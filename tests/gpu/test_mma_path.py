@@ -3,7 +3,8 @@
 Covers head dims 64/128, causal and not, sequence lengths that are not multiples of
 the tiles (and shorter than one tile), non-contiguous strides, every technique switch
 (STAGES, SMEM_LAYOUT, Q_IN_REGS, P_IN_REGS, one or two 16-row strips per warp) and
-SPLITS > 1 with its combine launch.
+SPLITS > 1 with its combine launch, and KV_GROUPS > 1 (warp groups splitting K/V inside the CTA,
+merged in shared memory), alone and with the other switches.
 """
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ ATOL = RTOL = 2e-2
 
 
 def mma(BM: int, BN: int, warps: int | None = None, stages: int = 2, layout: str = "swizzle",
-        q_regs: int = 1, p_regs: int = 1, splits: int = 1) -> Config:
-    return Config(PATH="mma", BLOCK_M=BM, BLOCK_N=BN, WARPS=warps or BM // 16, VEC=8, STAGES=stages,
-                  SMEM_LAYOUT=layout, Q_IN_REGS=q_regs, P_IN_REGS=p_regs, SPLITS=splits)
+        q_regs: int = 1, p_regs: int = 1, splits: int = 1, groups: int = 1) -> Config:
+    return Config(PATH="mma", BLOCK_M=BM, BLOCK_N=BN, WARPS=warps or groups * BM // 16, VEC=8, STAGES=stages,
+                  SMEM_LAYOUT=layout, Q_IN_REGS=q_regs, P_IN_REGS=p_regs, SPLITS=splits, KV_GROUPS=groups)
 
 
 CONFIGS = {
@@ -43,6 +44,12 @@ CONFIGS = {
     "m64n64-split2": mma(64, 64, splits=2),
     "m32n64-split4-p0": mma(32, 64, splits=4, p_regs=0),
     "m128n128-w8-split2": mma(128, 128, splits=2),
+    "m128n64-w4-q0-st1": mma(128, 64, warps=4, stages=1, q_regs=0),     # FlashAttention-2 load order, two strips
+    "m32n64-g4": mma(32, 64, stages=1, groups=4),
+    "m16n64-g4-pad-p0": mma(16, 64, stages=1, layout="pad", p_regs=0, groups=4),
+    "m64n64-g2-st2": mma(64, 64, stages=2, groups=2),
+    "m128n64-w8-g2-q0": mma(128, 64, warps=8, stages=1, q_regs=0, groups=2),   # two strips per warp, two groups
+    "m32n64-g2-split2": mma(32, 64, stages=1, splits=2, groups=2),
 }
 
 SHAPES = [  # (B, H, S, D)
@@ -89,7 +96,7 @@ def test_mma_matches_sdpa(name: str, shape: tuple[int, int, int, int], causal: b
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("name", ["m64n64", "m128n64-w4-q0", "m64n64-split2"])
+@pytest.mark.parametrize("name", ["m64n64", "m128n64-w4-q0", "m64n64-split2", "m32n64-g4"])
 def test_mma_strided_inputs(name: str, causal: bool) -> None:
     _check(CONFIGS[name], (2, 3, 130, 64), causal, transposed=True)
     _check(CONFIGS[name], (2, 2, 70, 128), causal, transposed=True)
