@@ -16,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import jinja2
 
@@ -114,13 +115,15 @@ def template_names() -> list[str]:
     return sorted(p.name[: -len(".cu.j2")] for p in templates_dir().glob("*.cu.j2") if not p.name.startswith("_"))
 
 
-def render(template: str, config: Config, variant: Variant) -> Rendered:
-    """Render ``templates/<template>.cu.j2`` for one configuration and variant."""
-    env = _environment(str(templates_dir()))
+def render(template: str, config: Config, variant: Variant, directory: str | Path | None = None) -> Rendered:
+    """Render ``templates/<template>.cu.j2`` (or ``directory``'s) for one configuration and variant."""
+    where = Path(directory) if directory is not None else templates_dir()
+    env = _environment(str(where))
     try:
         tmpl = env.get_template(f"{template}.cu.j2")
     except jinja2.TemplateNotFound as exc:
-        raise RenderError(f"no template {template!r} in {templates_dir()} (have: {', '.join(template_names())})") from exc
+        have = sorted(p.name[: -len(".cu.j2")] for p in where.glob("*.cu.j2") if not p.name.startswith("_"))
+        raise RenderError(f"no template {template!r} in {where} (have: {', '.join(have)})") from exc
     header = f"// evoengineer: template={template} {config.label()} HEAD_DIM={variant.head_dim} CAUSAL={int(variant.causal)}\n"
     try:
         body = tmpl.render(

@@ -158,3 +158,21 @@ def test_wmma_needs_whole_row_groups_per_warp() -> None:
     with pytest.raises(RenderError, match="UNSUPPORTED"):
         render("flash_attention", config, Variant(head_dim=64, causal=False))
     assert render("flash_attention", config.replace(PATH="scalar"), Variant(head_dim=64, causal=False)).launches
+
+
+def test_render_from_another_template_directory(tmp_path) -> None:
+    """``render(..., directory)`` reads that directory, not the installed templates (template A/B)."""
+    import shutil
+
+    from evoengineer.candidate import Config
+    from evoengineer.render import Variant, render
+    from evoengineer.resources import templates_dir
+
+    for f in templates_dir().glob("*.j2"):
+        shutil.copy(f, tmp_path / f.name)
+    marker = "// a changed copy of the template"
+    main = tmp_path / "flash_attention.cu.j2"
+    main.write_text(marker + "\n" + main.read_text())
+    config = Config(PATH="scalar", BLOCK_M=16, BLOCK_N=32, WARPS=4, VEC=8)
+    assert marker in render("flash_attention", config, Variant(64, False), tmp_path).source
+    assert marker not in render("flash_attention", config, Variant(64, False)).source
