@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import re
+import struct
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -114,9 +115,13 @@ def cache_dir() -> Path:
     return path
 
 
+CACHE_FORMAT = "2"
+
+
 def compile_key(source: str, arch: str, options: Sequence[str] = DEFAULT_OPTIONS) -> str:
     h = hashlib.sha256()
-    for part in (source, normalize_arch(arch), "\0".join(options), ".".join(map(str, nvrtc_version()))):
+    # CACHE_FORMAT changes when what a cache entry holds changes (2: complete ELF images).
+    for part in (source, normalize_arch(arch), "\0".join(options), ".".join(map(str, nvrtc_version())), CACHE_FORMAT):
         h.update(part.encode())
         h.update(b"\x1f")
     return h.hexdigest()
@@ -148,6 +153,20 @@ def parse_ptxas_log(log: str) -> dict[str, KernelResources]:
             if s := _SMEM_RE.search(line):
                 entry["static_smem"] = int(s.group(1))
     return {name: KernelResources(**vals) for name, vals in found.items()}
+
+
+def complete_elf(image: bytes) -> bytes:
+    """``image`` zero-padded to the length its ELF64 header declares.
+
+    CuPy's ``getCUBIN`` drops the image's last byte (it strips a trailing NUL as for PTX);
+    the driver loads the short image, but ``cuobjdump`` and ``nvdisasm`` reject it.
+    """
+    if len(image) < 64 or image[:4] != b"\x7fELF" or image[4] != 2:
+        return image
+    ph_off, sh_off = struct.unpack_from("<QQ", image, 0x20)
+    ph_size, ph_num, sh_size, sh_num = struct.unpack_from("<HHHH", image, 0x36)
+    declared = max(ph_off + ph_size * ph_num, sh_off + sh_size * sh_num)
+    return image + b"\0" * (declared - len(image)) if declared > len(image) else image
 
 
 def compile_source(
@@ -182,7 +201,7 @@ def compile_source(
         except nvrtc.NVRTCError as exc:
             ok, error = False, str(exc)
         log = nvrtc.getProgramLog(prog)
-        cubin = nvrtc.getCUBIN(prog) if ok else b""
+        cubin = complete_elf(nvrtc.getCUBIN(prog)) if ok else b""
     finally:
         nvrtc.destroyProgram(prog)
     elapsed = (time.perf_counter() - start) * 1e3

@@ -136,3 +136,16 @@ def test_wheel_ships_templates_and_spaces(tmp_path: Path) -> None:
     assert "evoengineer/templates/flash_attention.cu.j2" in names
     assert "evoengineer/templates/_attn_scalar.cuh.j2" in names
     assert "evoengineer/search_spaces/l4.yaml" in names and "evoengineer/search_spaces/h100.yaml" in names
+
+
+def test_compiled_image_is_a_complete_elf_file() -> None:
+    """The cubin written to disk is as long as its ELF header says (tools such as nvdisasm read it)."""
+    import struct
+
+    result = compile_source('extern "C" __global__ void k(float* x) { x[threadIdx.x] *= 2.0f; }', "sm_90")
+    assert result.ok, result.error
+    image = result.cubin()
+    assert image[:4] == b"\x7fELF"
+    ph_off, sh_off = struct.unpack_from("<QQ", image, 0x20)
+    ph_size, ph_num, sh_size, sh_num = struct.unpack_from("<HHHH", image, 0x36)
+    assert len(image) >= max(ph_off + ph_size * ph_num, sh_off + sh_size * sh_num)
