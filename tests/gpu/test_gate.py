@@ -163,6 +163,7 @@ def test_timing_one_kernel_twice_agrees_within_3_percent() -> None:
     case = Case(4, 16, 2048, 64, False)
     q, k, v = (torch.randn(4, 16, 2048, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     op = sdpa_op("flash", q, k, v, False, None)
+    time_graph([op], repetitions=100, warmup=10)  # settles the clocks after whatever ran before
     first = time_graph([op], repetitions=100, warmup=10)
     second = time_graph([op], repetitions=100, warmup=10)
     assert abs(first.median_us - second.median_us) / first.median_us < 0.03, (first, second)
