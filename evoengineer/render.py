@@ -111,8 +111,9 @@ def _environment(directory: str) -> jinja2.Environment:
     )
 
 
-def template_names() -> list[str]:
-    return sorted(p.name[: -len(".cu.j2")] for p in templates_dir().glob("*.cu.j2") if not p.name.startswith("_"))
+def template_names(directory: str | Path | None = None) -> list[str]:
+    where = Path(directory) if directory is not None else templates_dir()
+    return sorted(p.name[: -len(".cu.j2")] for p in where.glob("*.cu.j2") if not p.name.startswith("_"))
 
 
 def render(template: str, config: Config, variant: Variant, directory: str | Path | None = None) -> Rendered:
@@ -122,8 +123,7 @@ def render(template: str, config: Config, variant: Variant, directory: str | Pat
     try:
         tmpl = env.get_template(f"{template}.cu.j2")
     except jinja2.TemplateNotFound as exc:
-        have = sorted(p.name[: -len(".cu.j2")] for p in where.glob("*.cu.j2") if not p.name.startswith("_"))
-        raise RenderError(f"no template {template!r} in {where} (have: {', '.join(have)})") from exc
+        raise RenderError(f"no template {template!r} in {where} (have: {', '.join(template_names(where))})") from exc
     header = f"// evoengineer: template={template} {config.label()} HEAD_DIM={variant.head_dim} CAUSAL={int(variant.causal)}\n"
     try:
         body = tmpl.render(
