@@ -26,9 +26,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from evoengineer.candidate import Config
-from evoengineer.evaluate import SDPA_BACKENDS, EvalResult, Evaluator, fastest_sdpa
-from evoengineer.space import Case, load_space, parse_shape
+from evoengineer.gpu import SDPA_BACKENDS, EvalResult, Evaluator, fastest_sdpa
+from evoengineer.space import Case, Config, load_space, parse_shape
 
 HAND_PICKED = [  # per-regime winners of h100 searches (NVIDIA H100)
     "PATH=scalar,BLOCK_M=16,BLOCK_N=64,WARPS=4,VEC=8",

@@ -23,13 +23,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from evoengineer.candidate import Config
-from evoengineer.compile import compile_many
-from evoengineer.evaluate import EDGE_SEQS, gate_launcher, time_launcher
-from evoengineer.kernel import AttentionKernel
-from evoengineer.render import render
+from evoengineer.gpu import AttentionKernel
+from evoengineer.gpu.evaluate import EDGE_SEQS, gate_launcher, time_launcher
+from evoengineer.kernels import compile_many, render
 from evoengineer.resources import templates_dir
-from evoengineer.space import Case, load_space, parse_shape
+from evoengineer.space import Case, Config, load_space, parse_shape
 
 
 def checkout_templates(revision: str, into: Path) -> Path:

@@ -32,3 +32,9 @@ def spaces_dir() -> Path:
 def builtin_spaces() -> dict[str, Path]:
     """Built-in space name (file stem) -> path."""
     return {p.stem: p for p in sorted(spaces_dir().glob("*.yaml"))}
+
+
+def template_names(directory: str | Path | None = None) -> list[str]:
+    """Template names (``<name>.cu.j2`` without the suffix; ``_`` includes left out) in ``directory``."""
+    where = Path(directory) if directory is not None else templates_dir()
+    return sorted(p.name[: -len(".cu.j2")] for p in where.glob("*.cu.j2") if not p.name.startswith("_"))

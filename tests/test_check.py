@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from evoengineer.candidate import Config
-from evoengineer.compile import compile_source, parse_ptxas_log
-from evoengineer.space import load_space
-from evoengineer.static import build_config
+from evoengineer.kernels import build_config
+from evoengineer.kernels.compile import compile_source, parse_ptxas_log
+from evoengineer.space import Config, load_space
 
 REPO = Path(__file__).resolve().parent.parent
 

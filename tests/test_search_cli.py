@@ -139,8 +139,7 @@ def test_two_searches_share_one_study(tmp_path: Path, space_yaml: Path) -> None:
 def test_candidates_compile_ahead_and_their_sources_are_kept(tmp_path: Path, space_yaml: Path) -> None:
     """The search loop compiles the next candidates in other processes (real NVRTC) and keeps
     each candidate's source in the run directory; the recording answers for the GPU."""
-    from evoengineer.search import RunDir, open_study, run_search
-    from evoengineer.search_cli import ReplayCandidates
+    from evoengineer.search import ReplayCandidates, RunDir, open_study, run_search
     from evoengineer.space import load_space
 
     space = load_space(space_yaml)

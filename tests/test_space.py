@@ -6,15 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from evoengineer.candidate import Config
-from evoengineer.space import SpaceError, load_space, parse_duration, resolve_space_path
 from evoengineer.resources import builtin_spaces
+from evoengineer.space import Config, SpaceError, load_space, parse_duration, resolve_space_path
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "evoengineer.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run([sys.executable, "-m", "evoengineer", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 # -- resolution ------------------------------------------------------------------

@@ -13,10 +13,8 @@ import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
-from evoengineer.candidate import Config
-from evoengineer.replay import NOT_RECORDED, ReplayEvaluator, replay_trial, run_replay
-from evoengineer.space import Space
-from evoengineer.strategies import (
+from evoengineer.search import NOT_RECORDED, ReplayEvaluator, replay_trial, run_replay
+from evoengineer.search.strategies import (
     CLAIM_KEY,
     SAMPLERS,
     EvoSampler,
@@ -25,6 +23,7 @@ from evoengineer.strategies import (
     suggest_config,
     trial_config,
 )
+from evoengineer.space import Config, Space
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

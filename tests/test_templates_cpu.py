@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from evoengineer.candidate import Config
-from evoengineer.compile import CompileResult, compile_many
-from evoengineer.render import RenderError, Rendered, Variant, render
+from evoengineer.kernels import CompileResult, Rendered, RenderError, compile_many, render
+from evoengineer.space import Config, Variant
 
 ARCHS = ("sm_90", "sm_89")
 SMEM_LIMIT = 227 * 1024
@@ -164,9 +163,9 @@ def test_render_from_another_template_directory(tmp_path) -> None:
     """``render(..., directory)`` reads that directory, not the installed templates (template A/B)."""
     import shutil
 
-    from evoengineer.candidate import Config
-    from evoengineer.render import Variant, render
+    from evoengineer.kernels import render
     from evoengineer.resources import templates_dir
+    from evoengineer.space import Config, Variant
 
     for f in templates_dir().glob("*.j2"):
         shutil.copy(f, tmp_path / f.name)

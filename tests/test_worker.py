@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from evoengineer.worker import Worker, WorkerOutcome, WorkerPool  # noqa: E402
+from evoengineer.gpu import Worker, WorkerOutcome, WorkerPool  # noqa: E402
 
 H = "worker_handlers:dispatch"
 

@@ -11,8 +11,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from evoengineer.candidate import Config
-from evoengineer.space import parse_space
+from evoengineer.space import Config, parse_space
 
 SPACE: dict[str, Any] = {
     "name": "synthetic",

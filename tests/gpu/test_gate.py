@@ -9,10 +9,8 @@ import math
 
 import pytest
 
-from evoengineer.candidate import Config
-from evoengineer.compile import compile_source
-from evoengineer.render import KERNEL_ARGS, Launch, Rendered, Variant
-from evoengineer.space import Case
+from evoengineer.kernels import KERNEL_ARGS, Launch, Rendered, compile_source
+from evoengineer.space import Case, Config, Variant
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +54,7 @@ def naive(prelude: str = "", epilogue: str = "acc[d] / l", postlude: str = "", d
 
 
 def load(rendered: Rendered):
-    from evoengineer.kernel import AttentionKernel
+    from evoengineer.gpu import AttentionKernel
 
     res = compile_source(rendered.source, "sm_90")
     assert res.ok, res.log
@@ -67,7 +65,7 @@ CASE = Case(1, 4, 200, 64, False)
 
 
 def gate(launcher, case: Case = CASE):
-    from evoengineer.evaluate import gate_launcher
+    from evoengineer.gpu.evaluate import gate_launcher
 
     return gate_launcher(launcher, case, None, 2e-2, 2e-2, seed=1234, trials=2)
 
@@ -127,8 +125,7 @@ def _job(rendered: Rendered, cubin: str, case: Case) -> dict:
 
 
 def test_illegal_address_and_hang_are_survived() -> None:
-    from evoengineer.evaluate import HANDLER
-    from evoengineer.worker import Worker
+    from evoengineer.gpu import HANDLER, Worker
 
     good = naive()
     oob = naive(postlude="O[(long long)1 << 40] = 1;")
@@ -157,8 +154,8 @@ def test_illegal_address_and_hang_are_survived() -> None:
 def test_timing_one_kernel_twice_agrees_within_3_percent() -> None:
     import torch
 
-    from evoengineer.evaluate import sdpa_op
-    from evoengineer.timing import time_graph
+    from evoengineer.gpu.evaluate import sdpa_op
+    from evoengineer.gpu.timing import time_graph
 
     case = Case(4, 16, 2048, 64, False)
     q, k, v = (torch.randn(4, 16, 2048, 64, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -173,8 +170,8 @@ def test_timing_one_kernel_twice_agrees_within_3_percent() -> None:
 def test_graph_time_of_sdpa_agrees_with_profiler_within_10_percent() -> None:
     import torch
 
-    from evoengineer.evaluate import sdpa_op
-    from evoengineer.timing import profiler_kernel_us, time_graph
+    from evoengineer.gpu.evaluate import sdpa_op
+    from evoengineer.gpu.timing import profiler_kernel_us, time_graph
 
     q, k, v = (torch.randn(1, 8, 512, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     op = sdpa_op("flash", q, k, v, False, None)

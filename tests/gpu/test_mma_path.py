@@ -8,11 +8,10 @@ merged in shared memory), alone and with the other switches.
 """
 from __future__ import annotations
 
-
 import pytest
 
-from evoengineer.candidate import Config
-from evoengineer.render import Rendered, Variant, render
+from evoengineer.kernels import Rendered, render
+from evoengineer.space import Config, Variant
 
 try:
     import torch
@@ -62,8 +61,8 @@ SHAPES = [  # (B, H, S, D)
 
 
 def _launch(rendered: Rendered, q, k, v, o) -> None:
-    from evoengineer.compile import compile_source
-    from evoengineer.kernel import AttentionKernel
+    from evoengineer.gpu import AttentionKernel
+    from evoengineer.kernels import compile_source
 
     res = compile_source(rendered.source, "sm_%d%d" % torch.cuda.get_device_capability())
     assert res.ok, res.error

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from evoengineer.candidate import Config
-from evoengineer.compile import compile_source
-from evoengineer.render import Variant, render
-from evoengineer.space import Case
+from evoengineer.kernels import compile_source, render
+from evoengineer.space import Case, Config, Variant
 
 pytestmark = pytest.mark.gpu
 
@@ -32,8 +30,8 @@ SHAPES = [(1, 8, 512), (2, 3, 77), (1, 2, 5), (1, 1, 1), (1, 2, 1000)]
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("config", CONFIGS, ids=Config.label)
 def test_path_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
-    from evoengineer.evaluate import gate_launcher
-    from evoengineer.kernel import AttentionKernel
+    from evoengineer.gpu import AttentionKernel
+    from evoengineer.gpu.evaluate import gate_launcher
 
     rendered = render("flash_attention", config, Variant(head_dim, causal))
     compiled = compile_source(rendered.source, "sm_90")
@@ -49,7 +47,7 @@ def test_query_and_key_lengths_may_differ(path: str) -> None:
     import torch
     import torch.nn.functional as F
 
-    from evoengineer.kernel import AttentionKernel
+    from evoengineer.gpu import AttentionKernel
 
     config = Config(PATH=path, BLOCK_M=32, BLOCK_N=64, WARPS=2, VEC=8)
     for causal in (False, True):

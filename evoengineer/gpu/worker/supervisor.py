@@ -1,199 +1,29 @@
-"""Crash-isolating evaluation workers: one child process per GPU, supervised by the parent.
-
-Evaluating a CUDA kernel can hit an illegal memory access (which poisons the CUDA
-context of its process for good), a launch failure, an endless loop or a segfault.
-Each of these must cost one candidate, never the search. So every evaluation runs
-in a child process (``multiprocessing`` *spawn* context) bound to one GPU, and the
-parent turns whatever happens to it into a :class:`WorkerOutcome`:
-
-* ``ok``: the handler returned; ``value`` holds its (picklable) return value.
-* ``crashed``: the handler raised, or the child died (signal, ``os._exit``,
-  abort), or its answer could not be pickled. ``message`` says how, followed by
-  the tail of the child's stderr (fd 2 of the child goes to a temp file, so
-  messages written by native code and ``faulthandler`` tracebacks are kept).
-* ``timeout``: no answer within the time limit; the child is dumped
-  (``faulthandler`` on SIGUSR1), sent SIGTERM, then SIGKILL after a short grace.
-
-After anything but ``ok`` the child is replaced, since its state is suspect. An
-``ok`` value carrying a truthy ``worker_must_restart`` attribute or mapping key
-(for instance a sticky CUDA error was seen) is delivered, and the child is
-replaced before the next job.
-
-Handlers are named ``"package.module:function"`` (``"module:Class.method"`` also
-works) and imported by the child itself. The child starts with the parent's
-``sys.path`` and working directory as they are when it starts (the spawn context
-copies both), so any module importable in the parent at that time is importable
-in the child; put a directory on ``sys.path`` (or ``PYTHONPATH``) before the
-worker starts to make handlers living there reachable. As with any spawn-based
-``multiprocessing``, a script that starts workers must guard its entry point with
-``if __name__ == "__main__":``.
-
-``device`` binds the child to one GPU: ``CUDA_VISIBLE_DEVICES`` is in the
-environment the child's interpreter is started with (the parent sets it around
-the spawn, under a lock, and restores its own environment right after), so it is
-in place before the child imports anything; the child sets it again on entry.
-"""
+"""The parent's side of a worker: spawn the child on one GPU, send it jobs, and turn
+whatever happens to it (an answer, an exception, a death, silence) into a ``WorkerOutcome``."""
 from __future__ import annotations
 
 import atexit
-import faulthandler
-import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
-import queue
 import signal
-import sys
 import tempfile
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["WorkerOutcome", "Worker", "WorkerPool", "resolve_callable"]
+from .child import child_main
+from .protocol import ChildSpec, WorkerOutcome, format_exception
 
 STDERR_TAIL_LINES = 20
-TRACEBACK_TAIL_LINES = 15
 _STDERR_TAIL_BYTES = 64 * 1024
-_WATCHDOG_PERIOD_S = 1.0
 
 _CTX = multiprocessing.get_context("spawn")
 _SPAWN_LOCK = threading.Lock()
 _LIVE_WORKERS: "weakref.WeakSet[Worker]" = weakref.WeakSet()
-
-
-@dataclass(frozen=True)
-class WorkerOutcome:
-    """What became of one job sent to a worker."""
-
-    status: str  # "ok" | "crashed" | "timeout"
-    value: Any = None
-    message: str = ""
-    elapsed_s: float = 0.0
-    pid: int | None = None  # the child that ran (or died running) the job
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-
-@dataclass(frozen=True)
-class _ChildSpec:
-    """Everything the child needs, sent to it at spawn."""
-
-    handler: str
-    init: str | None
-    init_args: tuple
-    env: dict[str, str]
-    stderr_path: str
-    parent_pid: int
-
-
-# --------------------------------------------------------------------------- child side
-
-
-def resolve_callable(name: str) -> Callable[..., Any]:
-    """Import ``"package.module:attr.path"`` (or ``"package.module.attr"``) and return it."""
-    if ":" in name:
-        module_name, _, attr_path = name.partition(":")
-    else:
-        module_name, _, attr_path = name.rpartition(".")
-    if not module_name or not attr_path:
-        raise ValueError(f"expected 'package.module:function', got {name!r}")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr_path.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"{name!r} is not callable")
-    return obj
-
-
-def _format_exception(exc: BaseException) -> str:
-    """``Type: text`` followed by the tail of the traceback."""
-    head = f"{type(exc).__qualname__}: {exc}"
-    lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
-    tail = "\n".join(lines[-TRACEBACK_TAIL_LINES:])
-    return f"{head}\n{tail}"
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit the child when its parent is gone, so no orphan outlives the search."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-    while True:
-        time.sleep(_WATCHDOG_PERIOD_S)
-        if os.getppid() != parent_pid:
-            os._exit(70)
-
-
-def _child_main(conn: multiprocessing.connection.Connection, spec: _ChildSpec) -> None:
-    """Body of the child process: set up, run init, then answer jobs until told to stop."""
-    os.environ.update(spec.env)
-    try:
-        sys.stderr.flush()
-    except Exception:
-        pass
-    fd = os.open(spec.stderr_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    os.dup2(fd, 2)
-    os.close(fd)
-    if sys.stderr is None or sys.stderr.fileno() != 2:  # pragma: no cover - unusual stdio
-        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
-    # Fatal signals are delivered to the faulting thread; SIGUSR1 (the parent's "dump
-    # before kill" on a timeout) reaches the main thread, since the watchdog blocks it.
-    faulthandler.enable(file=sys.stderr, all_threads=False)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=False)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
-    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
-
-    try:
-        handler = resolve_callable(spec.handler)
-        if spec.init:
-            resolve_callable(spec.init)(*spec.init_args)
-    except BaseException as exc:  # noqa: BLE001 - every failure is reported
-        conn.send(("init_error", None, _format_exception(exc)))
-        return
-    conn.send(("ready", None, os.getpid()))
-
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        except BaseException as exc:  # noqa: BLE001 - the job could not be unpickled
-            conn.send(("error", None, f"job could not be unpickled: {_format_exception(exc)}"))
-            continue
-        if msg[0] == "stop":
-            return
-        _, seq, job = msg
-        try:
-            os.ftruncate(2, 0)  # the stderr tail then belongs to this job
-        except OSError:
-            pass
-        try:
-            value = handler(job)
-        except BaseException as exc:  # noqa: BLE001 - reported, the parent replaces us
-            answer: tuple = ("error", seq, _format_exception(exc))
-        else:
-            answer = ("ok", seq, value)
-        _flush_stdio()
-        try:
-            conn.send(answer)
-        except Exception as exc:  # noqa: BLE001 - pickling failed before anything was written
-            conn.send(("error", seq, f"answer could not be pickled: {_format_exception(exc)}"))
-
-
-def _flush_stdio() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-# --------------------------------------------------------------------------- parent side
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -363,7 +193,7 @@ class Worker:
         fd, stderr_path = tempfile.mkstemp(prefix="evoengineer-worker-", suffix=".stderr")
         os.close(fd)
         parent_conn, child_conn = _CTX.Pipe(duplex=True)
-        spec = _ChildSpec(
+        spec = ChildSpec(
             handler=self.handler,
             init=self.init,
             init_args=self.init_args,
@@ -372,7 +202,7 @@ class Worker:
             parent_pid=os.getpid(),
         )
         process = _CTX.Process(
-            target=_child_main,
+            target=child_main,
             args=(child_conn, spec),
             name=f"evoengineer-worker-{self.device if self.device is not None else 'any'}",
             daemon=False,  # a daemonic child could not start processes of its own
@@ -468,7 +298,7 @@ class Worker:
             self._replace(graceful=False)
             return WorkerOutcome("crashed", message=message, elapsed_s=0.0, pid=pid)
         except Exception as exc:  # noqa: BLE001 - the job itself is unpicklable
-            message = f"job could not be pickled: {_format_exception(exc)}"
+            message = f"job could not be pickled: {format_exception(exc)}"
             return WorkerOutcome("crashed", message=message, elapsed_s=0.0, pid=pid)
 
         deadline = t0 + timeout_s
@@ -602,127 +432,3 @@ def _close_all_workers() -> None:
             worker.close()
         except Exception:  # noqa: BLE001
             pass
-
-
-@dataclass
-class _MapState:
-    """Shared state of one `WorkerPool.map_unordered` call."""
-
-    jobs: Iterator[Any]
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    out: "queue.Queue[tuple[str, Any, Any]]" = field(default_factory=queue.Queue)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-
-class WorkerPool:
-    """One Worker per device; `run(job, timeout_s)` uses a free worker (thread-safe), `map_unordered(jobs, timeout_s)` yields (job, outcome) as they finish."""
-
-    def __init__(
-        self,
-        handler: str,
-        devices: Sequence[int | None],
-        *,
-        init: str | None = None,
-        init_args: tuple = (),
-        env: dict[str, str] | None = None,
-        start_timeout_s: float = 300.0,
-        kill_grace_s: float = 1.0,
-    ) -> None:
-        if not devices:
-            raise ValueError("a WorkerPool needs at least one device")
-        self.workers: list[Worker] = [
-            Worker(
-                handler,
-                device=d,
-                init=init,
-                init_args=init_args,
-                env=env,
-                start_timeout_s=start_timeout_s,
-                kill_grace_s=kill_grace_s,
-            )
-            for d in devices
-        ]
-        self._idle: "queue.Queue[Worker]" = queue.Queue()
-        for w in self.workers:
-            self._idle.put(w)
-        self._closed = False
-
-    def __len__(self) -> int:
-        return len(self.workers)
-
-    @property
-    def restarts(self) -> int:
-        """Child replacements over all workers."""
-        return sum(w.restarts for w in self.workers)
-
-    def start(self) -> None:
-        """Spawn every worker's child now, so their inits overlap."""
-        for w in self.workers:
-            w.start()
-
-    def run(self, job: Any, timeout_s: float) -> WorkerOutcome:
-        """Run one job on the first free worker (blocks while all are busy)."""
-        worker = self._acquire()
-        try:
-            return worker.run(job, timeout_s)
-        finally:
-            self._idle.put(worker)
-
-    def map_unordered(self, jobs: Iterable[Any], timeout_s: float) -> Iterator[tuple[Any, WorkerOutcome]]:
-        """Yield (job, outcome) pairs in completion order, keeping every worker busy."""
-        state = _MapState(jobs=iter(jobs))
-        threads = [
-            threading.Thread(target=self._feed, args=(state, timeout_s), daemon=True, name=f"evoengineer-pool-{i}")
-            for i in range(len(self.workers))
-        ]
-        for t in threads:
-            t.start()
-        done = 0
-        try:
-            while done < len(threads):
-                kind, a, b = state.out.get()
-                if kind == "done":
-                    done += 1
-                elif kind == "exc":
-                    raise a
-                else:
-                    yield a, b
-        finally:
-            state.stop.set()
-
-    def _feed(self, state: _MapState, timeout_s: float) -> None:
-        try:
-            while not state.stop.is_set():
-                with state.lock:
-                    try:
-                        job = next(state.jobs)
-                    except StopIteration:
-                        return
-                outcome = self.run(job, timeout_s)
-                state.out.put(("item", job, outcome))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            state.stop.set()
-            state.out.put(("exc", exc, None))
-        finally:
-            state.out.put(("done", None, None))
-
-    def _acquire(self) -> Worker:
-        while True:
-            if self._closed:
-                raise RuntimeError("worker pool is closed")
-            try:
-                return self._idle.get(timeout=0.1)
-            except queue.Empty:
-                continue
-
-    def close(self) -> None:
-        """Close every worker; idempotent."""
-        self._closed = True
-        for w in self.workers:
-            w.close()
-
-    def __enter__(self) -> WorkerPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

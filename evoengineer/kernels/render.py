@@ -20,8 +20,8 @@ from pathlib import Path
 
 import jinja2
 
-from .candidate import Config
-from .resources import templates_dir
+from ..resources import template_names, templates_dir
+from ..space import Config, Variant
 
 KERNEL_ARGS = (
     "const half_t* Q, const half_t* K, const half_t* V, half_t* O, float* WS, "
@@ -33,17 +33,6 @@ KERNEL_ARGS = (
 )
 """The argument list every attention kernel takes. Strides are in elements; the last
 dimension is contiguous. ``scale_log2`` is the softmax scale times log2(e)."""
-
-
-@dataclass(frozen=True)
-class Variant:
-    """Problem-side compile-time constants: one kernel binary per variant."""
-
-    head_dim: int
-    causal: bool
-
-    def label(self) -> str:
-        return f"D{self.head_dim}{'-causal' if self.causal else ''}"
 
 
 @dataclass(frozen=True)
@@ -109,11 +98,6 @@ def _environment(directory: str) -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-
-
-def template_names(directory: str | Path | None = None) -> list[str]:
-    where = Path(directory) if directory is not None else templates_dir()
-    return sorted(p.name[: -len(".cu.j2")] for p in where.glob("*.cu.j2") if not p.name.startswith("_"))
 
 
 def render(template: str, config: Config, variant: Variant, directory: str | Path | None = None) -> Rendered:

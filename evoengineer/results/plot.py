@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .search import RunDir
+from ..search import RunDir
 
 _COLOURS = {"scalar": "tab:blue", "wmma": "tab:orange", "mma": "tab:green"}
 
@@ -34,7 +34,7 @@ def plot_run(run_path: Path, out: Path) -> Path:
     ax.step(range(1, len(best_curve) + 1), best_curve, where="post", color="black", lw=1.5, label="best so far")
     baseline_path = run.path / "baseline.json"
     if baseline_path.exists():
-        from .search import geomean
+        from ..search import geomean
 
         baseline = json.loads(baseline_path.read_text())
         for backend, style in (("flash", "--"), ("cudnn", ":")):

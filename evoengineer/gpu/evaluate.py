@@ -14,17 +14,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from .candidate import Config
-from .render import Rendered, Variant
-from .space import Case, Space
-from .static import StaticReport, build_config
+from ..kernels import Rendered, StaticReport, build_config
+from ..space import Case, Config, Space, Variant
 
 STATUSES = ("ok", "invalid", "compile_failed", "launch_failed", "incorrect", "crashed", "timeout")
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 EDGE_SEQS = ((1, 2, 1), (2, 3, 77), (1, 2, 5), (1, 1, 257))
 """(batch, heads, seq) of the edge shapes every candidate is gated on besides the space's
 shapes: one token, S not a multiple of any tile, S smaller than one tile."""
-HANDLER = "evoengineer.evaluate:handle"
+HANDLER = "evoengineer.gpu.evaluate:handle"
 
 
 @dataclass
@@ -107,7 +105,7 @@ class _KernelFault(Exception):
 
 
 def _load_kernel(rendered: Rendered, cubin_path: str) -> Any:
-    from .kernel import AttentionKernel
+    from .launch import AttentionKernel
 
     kernel = _KERNELS.get(cubin_path)
     if kernel is None:

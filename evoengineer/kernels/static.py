@@ -12,9 +12,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
-from .candidate import Config
+from ..space import Config, Variant
 from .compile import DEFAULT_OPTIONS, CompileResult, compile_source
-from .render import Rendered, RenderError, Variant, render
+from .render import Rendered, RenderError, render
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,7 @@ from optuna.samplers import TPESampler
 from optuna.study import Study
 from optuna.trial import FrozenTrial
 
-from ..candidate import Config
-from ..space import Space
+from ...space import Config, Space
 from .base import History, Proposal, SpaceSampler
 
 

@@ -25,8 +25,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.study import Study, StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from ..candidate import Config
-from ..space import Space
+from ...space import Config, Space
 
 CLAIM_KEY = "evoengineer:proposal"
 """System attribute holding ``{"config": {...}, "origin": str, "parents": [key, ...]}``."""

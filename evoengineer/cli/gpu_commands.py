@@ -3,35 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from .candidate import Config
-from .cli import EXIT_FAILED, EXIT_OK, UsageError, _EXTRA_COMMANDS, _load_space
-from .evaluate import SDPA_BACKENDS, Evaluator, fastest_sdpa
-
-
-def require_gpu() -> None:
-    try:
-        import torch
-    except ImportError:
-        raise UsageError("torch is not installed; `pip install torch` (see README)") from None
-    if not torch.cuda.is_available():
-        raise UsageError("no CUDA GPU found on this machine; `evoengineer check --space SPACE` compiles and reports resources without one")
-
-
-def parse_config(text: str, space: Any) -> Config:
-    try:
-        config = Config.parse(text)
-    except ValueError as exc:
-        raise UsageError(f"--config: {exc}") from None
-    unknown = [k for k in config if k not in space.param_names]
-    if unknown:
-        raise UsageError(f"--config: unknown parameter {unknown[0]!r}; {space.name} has {', '.join(space.param_names)}")
-    # parameters left out take their first value, as in the space's seeds
-    return Config({p.name: config.get(p.name, p.values[0]) for p in space.params})
+from ..gpu import SDPA_BACKENDS, Evaluator, fastest_sdpa
+from .common import EXIT_FAILED, EXIT_OK, load_space, parse_config, require_gpu
 
 
 def ratio(candidate_us: float | None, sdpa: dict | None) -> str:
@@ -61,7 +38,7 @@ def baseline_table(space_name: str, gpu: str, baseline: dict[str, dict]) -> Tabl
 
 
 def cmd_baseline(args: argparse.Namespace) -> int:
-    space = _load_space(args.space)
+    space = load_space(args.space)
     require_gpu()
     backends = args.backends.split(",") if args.backends else list(SDPA_BACKENDS)
     with Evaluator(space, device=args.device) as ev:
@@ -75,7 +52,7 @@ def cmd_baseline(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    space = _load_space(args.space)
+    space = load_space(args.space)
     config = parse_config(args.config, space)
     require_gpu()
     console = Console(highlight=False, stderr=args.json)
@@ -134,5 +111,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench)
 
-
-_EXTRA_COMMANDS.append(register)

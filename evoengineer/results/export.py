@@ -8,17 +8,17 @@ from pathlib import Path
 
 import jinja2
 
-from .candidate import Config
-from .resources import templates_dir
-from .search import RunDir
-from .space import load_space
+from ..resources import templates_dir
+from ..search import RunDir
+from ..space import Config, load_space
 
 MODULE_NAME = "evo_attention"
 
 
 def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_name: str = MODULE_NAME) -> list[Path]:
     """Write ``<out>/<module>.py``, one ``.cu`` per problem variant and ``kernel.json``."""
-    from .render import Variant, from_source, render
+    from ..kernels import from_source, render
+    from ..space import Variant
 
     run = RunDir(Path(run_path))
     meta = run.meta()

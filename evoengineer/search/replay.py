@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -18,8 +19,9 @@ from typing import Any, Mapping
 import optuna
 from optuna.trial import TrialState
 
-from .candidate import Config
-from .space import Space, load_space, parse_space
+from ..gpu import EvalResult
+from ..kernels import StaticReport
+from ..space import Config, Space, load_space, parse_space
 
 NOT_RECORDED = "not in the recording"
 
@@ -105,6 +107,22 @@ def _result(obj: Mapping[str, Any], where: str) -> ReplayResult:
     if status == "ok" and value is None:
         raise ValueError(f"{where}: an ok record needs a finite objective_us")
     return ReplayResult(status, str(obj.get("reason") or ""), value)
+
+
+class ReplayCandidates:
+    """Answers from a recording instead of a GPU (tests, demos, strategy comparisons)."""
+
+    def __init__(self, path: Path, delay_s: float = 0.0) -> None:
+        self.replay = ReplayEvaluator(path)
+        self.delay_s = delay_s
+
+    def evaluate(self, config: Config, report: StaticReport | None = None) -> EvalResult:
+        started = time.perf_counter()
+        time.sleep(self.delay_s)
+        answer = self.replay.evaluate(config)
+        return EvalResult(config=config.to_dict(), key=config.key(), status=answer.status, reason=answer.reason,
+                          objective_us=answer.objective_us, eval_s=round(time.perf_counter() - started, 3))
+
 
 
 def run_replay(

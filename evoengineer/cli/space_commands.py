@@ -1,33 +1,20 @@
-"""The ``evoengineer`` command line."""
+"""Commands that need no GPU: ``spaces`` (the built-in spaces) and ``check`` (render and
+compile every valid configuration)."""
 from __future__ import annotations
 
 import argparse
 import json
 import random
-import sys
 import time
-from typing import Callable, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(Exception):
-    """A user mistake: printed as one line, exit code 2."""
+from .common import EXIT_FAILED, EXIT_OK, UsageError, load_space
 
 
 def _console(args: argparse.Namespace | None = None) -> Console:
     return Console(stderr=bool(args and getattr(args, "json", False)), highlight=False)
-
-
-def _load_space(spec: str):
-    from .space import load_space
-
-    return load_space(spec)
 
 
 # -- check ---------------------------------------------------------------------
@@ -36,10 +23,9 @@ def _load_space(spec: str):
 def cmd_check(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .compile import normalize_arch
-    from .static import build_many
+    from ..kernels import build_many, normalize_arch
 
-    space = _load_space(args.space)
+    space = load_space(args.space)
     try:
         arch = normalize_arch(args.arch or space.target.arch)
     except ValueError as exc:
@@ -102,8 +88,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_spaces(args: argparse.Namespace) -> int:
-    from .resources import builtin_spaces
-    from .space import load_space
+    from ..resources import builtin_spaces
 
     rows = []
     for name, path in builtin_spaces().items():
@@ -122,33 +107,7 @@ def cmd_spaces(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# -- parser ------------------------------------------------------------------------
-
-_EPILOG = """\
-typical session:
-  evoengineer spaces                               # the built-in search spaces
-  evoengineer check --space spaces/l4.yaml         # render + compile every valid config, no GPU needed
-  evoengineer baseline --space h100                # time PyTorch SDPA's backends on this GPU
-  evoengineer bench --space h100 --config PATH=wmma,BLOCK_M=64,BLOCK_N=64,WARPS=4,VEC=8
-  evoengineer search --space h100 --time 10m       # the search (GPU)
-  evoengineer leaderboard runs/<run>               # the ranked finalists
-  evoengineer export runs/<run> --rank 1 --out best/
-
---space takes a YAML path or a built-in name (l4, h100); spaces/NAME.yaml falls
-back to the built-in space NAME when no such file exists here.
-"""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="evoengineer",
-        description="Search a space of templated CUDA FlashAttention kernels for the fastest correct one.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--version", action="version", version=f"evoengineer {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="render and compile every valid configuration without a GPU",
                        description="Render every valid configuration of a space (or --limit N sampled ones) for every "
                        "problem variant, compile it with NVRTC for the space's arch (or --arch), and report registers, "
@@ -166,34 +125,3 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("spaces", help="list the built-in search spaces and their sizes")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_spaces)
-
-    from . import gpu_cli, search_cli  # noqa: F401 - register their commands
-
-    for register in _EXTRA_COMMANDS:
-        register(sub)
-    return parser
-
-
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from .space import SpaceError
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return EXIT_USAGE
-    try:
-        return args.func(args)
-    except (SpaceError, UsageError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,8 +11,7 @@ from typing import Any
 
 import optuna
 
-from ..candidate import Config
-from ..space import Space
+from ...space import Config, Space
 from .base import CLAIM_KEY, History, HistoryReader, Proposal, SpaceSampler, read_history, trial_config
 from .evo import EvoSampler
 from .grid import GridSearchSampler

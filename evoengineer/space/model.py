@@ -18,10 +18,9 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import yaml
 
-from .candidate import Config, ParamValue
-from .render import Variant
-from .resources import builtin_spaces
-from .safe_expr import ExpressionError, SafeExpression, parse_expression
+from ..resources import builtin_spaces, template_names
+from .config import Config, ParamValue
+from .expressions import ExpressionError, SafeExpression, parse_expression
 
 STRATEGIES = ("evo", "tpe", "random", "grid")
 
@@ -32,6 +31,17 @@ class SpaceError(ValueError):
     def __init__(self, path: str | Path, key: str, message: str) -> None:
         self.path, self.key, self.message = str(path), key, message
         super().__init__(f"{self.path}: {key}: {message}" if key else f"{self.path}: {message}")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Problem-side compile-time constants: one kernel binary per variant."""
+
+    head_dim: int
+    causal: bool
+
+    def label(self) -> str:
+        return f"D{self.head_dim}{'-causal' if self.causal else ''}"
 
 
 @dataclass(frozen=True)
@@ -311,8 +321,6 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
     cases = _parse_shapes(v, pr["shapes"])
 
     template = v.string(root["template"], "template")
-    from .render import template_names
-
     if template not in template_names():
         v.fail("template", f"no template {template!r}{_hint(template, template_names())}")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from .evaluate import SDPA_BACKENDS
-from .search import RunDir, best_results, geomean
+from ..gpu import SDPA_BACKENDS
+from ..search import RunDir, best_results, geomean
 
 LEADERBOARD = "leaderboard.json"
 

@@ -6,8 +6,7 @@ import random
 from optuna.study import Study
 from optuna.trial import FrozenTrial
 
-from ..candidate import Config
-from ..space import Space
+from ...space import Config, Space
 from .base import History, Proposal, SpaceSampler
 
 

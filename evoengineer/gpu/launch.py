@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from .render import Rendered
+from ..kernels import Rendered
 
 LOG2E = 1.4426950408889634
 _SMEM_DEFAULT_LIMIT = 48 * 1024

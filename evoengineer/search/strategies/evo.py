@@ -10,8 +10,7 @@ from __future__ import annotations
 from optuna.study import Study
 from optuna.trial import FrozenTrial
 
-from ..candidate import Config
-from ..space import Param, Space
+from ...space import Config, Param, Space
 from .base import History, Proposal, SpaceSampler
 
 

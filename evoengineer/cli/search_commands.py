@@ -1,4 +1,4 @@
-"""Commands around the search: ``search``, ``runs``, ``leaderboard``, ``export``."""
+"""Commands that run or list searches: ``search`` and ``runs``."""
 from __future__ import annotations
 
 import argparse
@@ -11,31 +11,21 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .candidate import Config
-from .cli import EXIT_FAILED, EXIT_OK, UsageError, _EXTRA_COMMANDS, _load_space
-from .evaluate import EvalResult, fastest_sdpa
-from .search import RunDir, SearchStats, best_results, geomean, open_study, recover_interrupted, run_search
-from .space import STRATEGIES, Space, parse_duration, parse_shape
-from .static import StaticReport
+from ..gpu import EvalResult, fastest_sdpa
+from ..search import (
+    ReplayCandidates,
+    RunDir,
+    SearchStats,
+    best_results,
+    geomean,
+    open_study,
+    recover_interrupted,
+    run_search,
+)
+from ..space import STRATEGIES, Config, Space, parse_duration, parse_shape
+from .common import EXIT_FAILED, EXIT_OK, UsageError, load_space, require_gpu
 
 DEFAULT_RUNS = Path("runs")
-
-
-class ReplayCandidates:
-    """Answers from a recording instead of a GPU (tests, demos, strategy comparisons)."""
-
-    def __init__(self, path: Path, delay_s: float = 0.0) -> None:
-        from .replay import ReplayEvaluator
-
-        self.replay = ReplayEvaluator(path)
-        self.delay_s = delay_s
-
-    def evaluate(self, config: Config, report: StaticReport | None = None) -> EvalResult:
-        started = time.perf_counter()
-        time.sleep(self.delay_s)
-        answer = self.replay.evaluate(config)
-        return EvalResult(config=config.to_dict(), key=config.key(), status=answer.status, reason=answer.reason,
-                          objective_us=answer.objective_us, eval_s=round(time.perf_counter() - started, 3))
 
 
 def _latest_run(root: Path, space: Space) -> Path:
@@ -56,7 +46,7 @@ def _restrict_shapes(space: Space, shapes: list[str] | None) -> Space:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    space = _load_space(args.space)
+    space = load_space(args.space)
     console = Console(highlight=False)
     try:
         time_s = parse_duration(args.time) if args.time else space.search.time_s
@@ -101,8 +91,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         evaluator = ReplayCandidates(Path(args.replay), args.replay_delay)
         info, arch, baseline = {"gpu": f"replay of {args.replay}"}, space.target.arch, {}
     else:
-        from .evaluate import Evaluator
-        from .gpu_cli import require_gpu
+        from ..gpu import Evaluator
 
         require_gpu()
         evaluator = Evaluator(space, device=args.device, seed=seed or 0)
@@ -174,7 +163,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         if count:
             table.add_row(f"  {status}", str(count))
     console.print(table)
-    from .leaderboard import leaderboard_table
+    from ..results import leaderboard_table
 
     if board["entries"]:
         console.print(leaderboard_table(board))
@@ -185,11 +174,11 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 def _finalize(run: RunDir, space: Space, evaluator: Any, finalists: list[dict], baseline: dict, info: dict,
               console: Console, retime_rounds: int) -> dict:
-    from .leaderboard import LEADERBOARD, build_leaderboard
+    from ..results import LEADERBOARD, build_leaderboard
 
     retimed = None
     if finalists and retime_rounds:
-        from .evaluate import retime
+        from ..gpu import retime
 
         with console.status(f"re-timing the top {len(finalists)} interleaved with SDPA ({retime_rounds} rounds)"):
             reports = [evaluator.build(Config(r["config"])) for r in finalists]
@@ -237,48 +226,6 @@ def _run_path(text: str) -> Path:
     return path
 
 
-def cmd_leaderboard(args: argparse.Namespace) -> int:
-    from .leaderboard import leaderboard_csv, leaderboard_table, load_leaderboard
-
-    board = load_leaderboard(_run_path(args.run), args.top)
-    if args.json:
-        print(json.dumps(board))
-    elif args.csv:
-        print(leaderboard_csv(board), end="")
-    else:
-        Console(highlight=False).print(leaderboard_table(board))
-    return EXIT_OK
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_entry
-    from .leaderboard import load_leaderboard
-
-    run = _run_path(args.run)
-    board = load_leaderboard(run)
-    entry = next((e for e in board["entries"] if e["rank"] == args.rank), None)
-    if entry is None:
-        raise UsageError(f"--rank {args.rank}: {run} has {len(board['entries'])} ranked entries")
-    written = export_entry(run, entry, board, Path(args.out))
-    console = Console(highlight=False)
-    for path in written:
-        console.print(f"wrote {path}")
-    console.print(f"use: import sys; sys.path.insert(0, '{args.out}'); from {written[0].stem} import attention")
-    return EXIT_OK
-
-
-def cmd_plot(args: argparse.Namespace) -> int:
-    try:
-        from .plot import plot_run
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UsageError("plotting needs matplotlib: pip install 'evoengineer[plot]'") from None
-    run = _run_path(args.run)
-    out = plot_run(run, Path(args.out) if args.out else run / "progress.png")
-    Console(highlight=False).print(f"wrote {out}")
-    return EXIT_OK
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("search", help="search a space for the fastest correct kernel (GPU)",
                        description="Propose valid configurations with a strategy, compile ahead in parallel, gate and "
@@ -312,24 +259,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_runs)
 
-    p = sub.add_parser("leaderboard", help="the ranked finalists of a run, with SDPA rows")
-    p.add_argument("run", help="a run directory (runs/<run>)")
-    p.add_argument("--top", type=int, help="show the first N")
-    fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_true")
-    fmt.add_argument("--csv", action="store_true")
-    p.set_defaults(func=cmd_leaderboard)
 
-    p = sub.add_parser("plot", help="plot a run: each evaluation, the best so far, SDPA lines (PNG)")
-    p.add_argument("run", help="a run directory (runs/<run>)")
-    p.add_argument("--out", help="PNG path (default runs/<run>/progress.png)")
-    p.set_defaults(func=cmd_plot)
-
-    p = sub.add_parser("export", help="write a drop-in kernel: source, launch metadata, a Python module")
-    p.add_argument("run", help="a run directory (runs/<run>)")
-    p.add_argument("--rank", type=int, default=1, help="leaderboard rank to export (default 1)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.set_defaults(func=cmd_export)
-
-
-_EXTRA_COMMANDS.append(register)

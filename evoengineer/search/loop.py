@@ -23,10 +23,9 @@ from typing import Any, Callable, Protocol
 import optuna
 import sqlalchemy.exc
 
-from .candidate import Config
-from .evaluate import STATUSES, EvalResult
-from .space import Space
-from .static import StaticReport, build_config_job
+from ..gpu import STATUSES, EvalResult
+from ..kernels import StaticReport, build_config_job
+from ..space import Config, Space
 from .strategies import make_sampler, suggest_config
 
 RESULTS = "results.jsonl"

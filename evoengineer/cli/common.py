@@ -1,0 +1,49 @@
+"""What every command module shares: exit codes, the one-line usage error, loading a
+space, parsing a configuration, requiring a GPU. Imports no command module."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..space import Config, Space
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A user mistake: printed as one line, exit code 2."""
+
+
+def load_space(spec: str) -> Space:
+    """The space at ``spec`` (a path or a built-in name); a mistake raises ``SpaceError``."""
+    from ..space import load_space as _load
+
+    return _load(spec)
+
+
+def require_gpu() -> None:
+    try:
+        import torch
+    except ImportError:
+        raise UsageError("torch is not installed; `pip install torch` (see README)") from None
+    if not torch.cuda.is_available():
+        raise UsageError("no CUDA GPU found on this machine; `evoengineer check --space SPACE` compiles and reports resources without one")
+
+
+def parse_config(text: str, space: Any) -> Config:
+    try:
+        config = Config.parse(text)
+    except ValueError as exc:
+        raise UsageError(f"--config: {exc}") from None
+    unknown = [k for k in config if k not in space.param_names]
+    if unknown:
+        raise UsageError(f"--config: unknown parameter {unknown[0]!r}; {space.name} has {', '.join(space.param_names)}")
+    # parameters left out take their first value, as in the space's seeds
+    return Config({p.name: config.get(p.name, p.values[0]) for p in space.params})
+
+
+def run_path(text: str) -> Path:
+    path = Path(text)
+    if not (path / "run.json").exists():
+        raise UsageError(f"{path}: not a run directory (no run.json); `evoengineer runs` lists them")
+    return path

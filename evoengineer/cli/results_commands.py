@@ -1,0 +1,73 @@
+"""Commands over a finished run: ``leaderboard``, ``export``, ``plot``."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from .common import EXIT_OK, UsageError, run_path
+
+
+def cmd_leaderboard(args: argparse.Namespace) -> int:
+    from ..results import leaderboard_csv, leaderboard_table, load_leaderboard
+
+    board = load_leaderboard(run_path(args.run), args.top)
+    if args.json:
+        print(json.dumps(board))
+    elif args.csv:
+        print(leaderboard_csv(board), end="")
+    else:
+        Console(highlight=False).print(leaderboard_table(board))
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ..results import export_entry, load_leaderboard
+
+    run = run_path(args.run)
+    board = load_leaderboard(run)
+    entry = next((e for e in board["entries"] if e["rank"] == args.rank), None)
+    if entry is None:
+        raise UsageError(f"--rank {args.rank}: {run} has {len(board['entries'])} ranked entries")
+    written = export_entry(run, entry, board, Path(args.out))
+    console = Console(highlight=False)
+    for path in written:
+        console.print(f"wrote {path}")
+    console.print(f"use: import sys; sys.path.insert(0, '{args.out}'); from {written[0].stem} import attention")
+    return EXIT_OK
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+
+        from ..results.plot import plot_run
+    except ImportError:
+        raise UsageError("plotting needs matplotlib: pip install 'evoengineer[plot]'") from None
+    run = run_path(args.run)
+    out = plot_run(run, Path(args.out) if args.out else run / "progress.png")
+    Console(highlight=False).print(f"wrote {out}")
+    return EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("leaderboard", help="the ranked finalists of a run, with SDPA rows")
+    p.add_argument("run", help="a run directory (runs/<run>)")
+    p.add_argument("--top", type=int, help="show the first N")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument("--csv", action="store_true")
+    p.set_defaults(func=cmd_leaderboard)
+
+    p = sub.add_parser("plot", help="plot a run: each evaluation, the best so far, SDPA lines (PNG)")
+    p.add_argument("run", help="a run directory (runs/<run>)")
+    p.add_argument("--out", help="PNG path (default runs/<run>/progress.png)")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("export", help="write a drop-in kernel: source, launch metadata, a Python module")
+    p.add_argument("run", help="a run directory (runs/<run>)")
+    p.add_argument("--rank", type=int, default=1, help="leaderboard rank to export (default 1)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=cmd_export)

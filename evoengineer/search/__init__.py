@@ -1,0 +1,34 @@
+"""The search: strategies that propose configurations, the loop that evaluates and
+records them in an Optuna study, and replay of recorded measurements (no GPU)."""
+from __future__ import annotations
+
+from .loop import (
+    RESULTS,
+    RUN_META,
+    CandidateEvaluator,
+    RunDir,
+    SearchStats,
+    best_results,
+    counted_trials,
+    geomean,
+    open_study,
+    recover_interrupted,
+    run_search,
+    tell,
+)
+from .replay import (
+    NOT_RECORDED,
+    ReplayCandidates,
+    ReplayEvaluator,
+    ReplayResult,
+    evaluations_to_reach,
+    replay_trial,
+    run_replay,
+)
+from .strategies import make_sampler, suggest_config
+
+__all__ = [
+    "NOT_RECORDED", "RESULTS", "ReplayCandidates", "RUN_META", "CandidateEvaluator", "ReplayEvaluator", "ReplayResult", "RunDir",
+    "SearchStats", "best_results", "counted_trials", "evaluations_to_reach", "geomean", "make_sampler",
+    "open_study", "recover_interrupted", "replay_trial", "run_replay", "run_search", "suggest_config", "tell",
+]

@@ -1,0 +1,33 @@
+"""The search space: a YAML file's target, problem, parameters and constraints.
+
+``load_space`` reads and validates a space; ``Space`` enumerates its valid
+configurations, each a hashable ``Config``; ``Case`` and ``Variant`` describe the
+problem shapes and the compile-time variants (head dim, causal) a kernel is built for.
+"""
+from __future__ import annotations
+
+from .config import Config, ParamValue
+from .expressions import ExpressionError, SafeExpression, parse_expression
+from .model import (
+    STRATEGIES,
+    Case,
+    Constraint,
+    Param,
+    SearchSettings,
+    Space,
+    SpaceError,
+    Target,
+    Timing,
+    Variant,
+    load_space,
+    parse_duration,
+    parse_shape,
+    parse_space,
+    resolve_space_path,
+)
+
+__all__ = [
+    "STRATEGIES", "Case", "Config", "Constraint", "ExpressionError", "Param", "ParamValue", "SafeExpression",
+    "SearchSettings", "Space", "SpaceError", "Target", "Timing", "Variant", "load_space", "parse_duration",
+    "parse_expression", "parse_shape", "parse_space", "resolve_space_path",
+]
