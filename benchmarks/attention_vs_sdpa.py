@@ -13,6 +13,10 @@ With --leaderboard, the candidates are, for each shape a run searched and each p
 configuration with the shortest recorded time on that shape (searches restricted with
 ``search --shape`` contribute their own shapes). Ratios are time / SDPA backend's time
 (below 1: faster than SDPA); TF/s counts the matmul FLOPs (halved for causal).
+
+Beside SDPA's four backends forced one at a time, the same harness times SDPA as a user
+calls it (``default``: torch's own backend choice; cuDNN on Hopper) and, when it is
+installed, flash-attn-4 (``fa4``). ``/bar`` is the ratio to the faster of cuDNN and fa4.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from evoengineer.gpu import SDPA_BACKENDS, EvalResult, Evaluator, fastest_sdpa
+from evoengineer.gpu import REFERENCE_CALLS, SDPA_BACKENDS, EvalResult, Evaluator, fastest_sdpa
 from evoengineer.space import Case, Config, load_space, parse_shape
 
 HAND_PICKED = [  # per-regime winners of h100 searches (NVIDIA H100)
@@ -78,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", action="append", default=[], help="a configuration NAME=VALUE,... (repeatable)")
     parser.add_argument("--json", type=Path, help="also write all figures to this file")
     parser.add_argument("--trials", type=int, default=2, help="gate draws per shape")
+    parser.add_argument("--peers", default=",".join(REFERENCE_CALLS),
+                        help="reference calls timed beside SDPA's backends (default: default,fa4; '' for none)")
     parser.add_argument("--shape", action="append", default=[], metavar="B,H,S,D",
                         help="also measure this shape, full and causal (repeatable), e.g. 8,16,4096,128")
     args = parser.parse_args(argv)
@@ -115,30 +121,33 @@ def main(argv: list[str] | None = None) -> int:
 
         main_ev = evaluator_for(0)
         info = main_ev.info()
-        baseline = main_ev.baseline()
+        peers = tuple(p for p in args.peers.split(",") if p)
+        baseline = main_ev.baseline(SDPA_BACKENDS + peers)
         for config in configs:
             console.print(f"evaluating {config.label()}", style="dim")
             where = next((i for i, sp in enumerate(spaces) if sp.contains(config)), 0)
             results.append(evaluator_for(where).evaluate(config))
-    best = fastest_sdpa(baseline)
+    best = fastest_sdpa({label: {b: r for b, r in rows.items() if b in SDPA_BACKENDS} for label, rows in baseline.items()})
+    measured = [b for b in SDPA_BACKENDS + peers if any(rows.get(b, {}).get("status") == "ok" for rows in baseline.values())]
     paths = [p for p in space.param("PATH").values if any(r.config["PATH"] == p and r.ok for r in results)]
     names = {r.key: f"#{i + 1}" for i, r in enumerate(results)}
 
     table = Table(title=f"{space.name} on {info['gpu']}: device time µs; ratio = time / SDPA time (< 1 is faster); "
                         f"per shape, the fastest candidate of each path ({len(results)} candidates, one run)")
     table.add_column("shape")
-    for b in SDPA_BACKENDS:
-        table.add_column(f"SDPA {b}", justify="right")
+    for b in measured:
+        table.add_column(f"SDPA {b}" if b in SDPA_BACKENDS else b, justify="right")
     for p in paths:
         table.add_column(f"best {p}\nµs | TF/s", justify="right")
-        table.add_column(f"{p}\n/fastest /flash /cudnn", justify="right")
+        table.add_column(f"{p}\n/fastest /flash /cudnn /default /bar", justify="right")
         table.add_column(f"{p}\nconfig", justify="left")
     rows = []
     for case in space.cases:
         label = case.label()
         sd = baseline.get(label, {})
-        cells = [f"{sd[b]['time']['median_us']:.1f}" if sd.get(b, {}).get("status") == "ok" else "-" for b in SDPA_BACKENDS]
-        row = {"shape": label, "sdpa": {b: sd[b]["time"]["median_us"] for b in SDPA_BACKENDS if sd.get(b, {}).get("status") == "ok"}}
+        cells = [f"{sd[b]['time']['median_us']:.1f}" if sd.get(b, {}).get("status") == "ok" else "-" for b in measured]
+        row = {"shape": label, "sdpa": {b: sd[b]["time"]["median_us"] for b in measured if sd.get(b, {}).get("status") == "ok"}}
+        bar = min((row["sdpa"][b] for b in ("cudnn", "fa4") if b in row["sdpa"]), default=float("nan"))
         for p in paths:
             timed = [(case_time(r, label), r) for r in results if r.config["PATH"] == p and r.ok]
             timed = [(c, r) for c, r in timed if c is not None]
@@ -148,13 +157,19 @@ def main(argv: list[str] | None = None) -> int:
             c, r = min(timed, key=lambda x: x[0]["time"]["median_us"])
             us = c["time"]["median_us"]
             ratios = [us / best[label][1] if label in best else float("nan")]
-            ratios += [us / row["sdpa"][b] if b in row["sdpa"] else float("nan") for b in ("flash", "cudnn")]
+            ratios += [us / row["sdpa"][b] if b in row["sdpa"] else float("nan") for b in ("flash", "cudnn", "default")]
+            ratios.append(us / bar)
             cells += [f"{us:.1f} | {c['tflops']:.0f}", " ".join(f"{x:.2f}" for x in ratios), names[r.key]]
             row[p] = {"config": r.config, "us": us, "tflops": c["tflops"], "ratio_fastest": ratios[0],
-                      "ratio_flash": ratios[1], "ratio_cudnn": ratios[2], "max_abs_err": c.get("max_abs_err")}
+                      "ratio_flash": ratios[1], "ratio_cudnn": ratios[2], "ratio_default": ratios[3],
+                      "ratio_bar": ratios[4], "max_abs_err": c.get("max_abs_err")}
         table.add_row(label, *cells)
         rows.append(row)
     console.print(table)
+    for b in SDPA_BACKENDS + peers:
+        reasons = {rows.get(b, {}).get("reason") for rows in baseline.values() if rows.get(b, {}).get("status") != "ok"}
+        if reasons - {None}:
+            console.print(f"{b}: not measured on some shapes: {'; '.join(sorted(x for x in reasons if x))[:300]}", style="dim")
     for r in results:
         status = f"{r.status} {r.reason}".strip()
         err = max((c.get("max_abs_err") or 0) for c in r.cases) if r.cases else "-"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from .evaluate import (
     EDGE_SEQS,
     HANDLER,
+    REFERENCE_CALLS,
     SDPA_BACKENDS,
     STATUSES,
     CaseResult,
@@ -24,7 +25,7 @@ from .launch import AttentionKernel, LaunchError
 from .worker import Worker, WorkerOutcome, WorkerPool
 
 __all__ = [
-    "EDGE_SEQS", "HANDLER", "SDPA_BACKENDS", "STATUSES", "AttentionKernel", "CaseResult", "EvalResult",
+    "EDGE_SEQS", "HANDLER", "REFERENCE_CALLS", "SDPA_BACKENDS", "STATUSES", "AttentionKernel", "CaseResult", "EvalResult",
     "Evaluator", "LaunchError", "Worker", "WorkerOutcome", "WorkerPool", "fastest_sdpa", "gate_cases",
     "gpu_info", "retime",
 ]

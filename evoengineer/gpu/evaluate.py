@@ -19,6 +19,9 @@ from ..space import Case, Config, Space, Variant
 
 STATUSES = ("ok", "invalid", "compile_failed", "launch_failed", "incorrect", "crashed", "timeout")
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
+REFERENCE_CALLS = ("default", "fa4")
+"""Timed beside the backends where asked: SDPA with torch's own backend choice (the call a user
+makes), and flash-attn-4 (a peer library), when it is installed."""
 EDGE_SEQS = ((1, 2, 1), (2, 3, 77), (1, 2, 5), (1, 1, 257))
 """(batch, heads, seq) of the edge shapes every candidate is gated on besides the space's
 shapes: one token, S not a multiple of any tile, S smaller than one tile."""
@@ -266,9 +269,19 @@ def _time_job(launcher: Any, job: dict) -> dict:
 
 
 def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> Callable[[], Any]:
+    """One call of attention on (B, H, S, D) inputs: an SDPA backend forced (``SDPA_BACKENDS``),
+    SDPA as the user calls it with torch's own backend choice (``default``), or a peer
+    library (``fa4``: flash-attn-4's ``flash_attn.cute``, timed on (B, S, H, D) copies)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if backend == "default":
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    if backend == "fa4":
+        from flash_attn.cute import flash_attn_func
+
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        return lambda: flash_attn_func(qt, kt, vt, softmax_scale=scale, causal=causal)
     chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
 
