@@ -184,7 +184,7 @@ def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_nam
     per = PerShape([run], winners, {config.id: config}, config.id)
     specs = [_spec(run, config, variant) for variant in run.variants()]
     measured = {"rank": entry["rank"], "cases": entry["cases"], "geomean_us": entry["geomean_us"],
-                "speedup_vs_sdpa": entry["speedup"], "retimed": board.get("retimed")}
+                "speedup_vs_sdpa": entry["speedup"], "retimed": board.get("retimed"), "resources": entry.get("resources", {})}
     return _write(out, module_name, per, specs, mode="rank", notes=[], measured=measured)
 
 
@@ -257,7 +257,7 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
         "notes": notes,
     }
     if measured is not None:
-        info.update(rank=measured["rank"], measured=measured, resources={})
+        info.update(rank=measured["rank"], measured=measured, resources=measured.get("resources", {}))
     info_path = out / "kernel.json"
     info_path.write_text(json.dumps(info, indent=2))
     return [module_path, *written, info_path]
