@@ -95,7 +95,6 @@ def make_run(path: Path, times: dict[str, dict[Config, float]] | None = None, *,
 def load_module(directory: Path, name: str = "evo_attention"):
     """Import an exported module from ``directory`` under a unique name (several exports in one process)."""
     import importlib.util
-    import itertools
     import sys
 
     unique = f"{name}_{next(_COUNTER)}"

@@ -57,6 +57,7 @@ class KernelSpec:
 
     @property
     def features(self) -> list[str]:
+        """``gqa`` where the kernel takes ``int H_kv``, plus what its ``// FEATURES`` line declares."""
         declared = _declared_features(self.rendered.source)
         if any(name == "H_kv" for name, _ in self.args):
             declared.add("gqa")
@@ -124,6 +125,8 @@ def _spec(run: RunInfo, config: MeasuredConfig, variant: Variant) -> KernelSpec:
     signatures = [kernel_args(rendered.source, launch.kernel) for launch in rendered.launches]
     if any(s != signatures[0] for s in signatures):
         raise ExportError(f"{config.id} {variant.label()}: its launches take different argument lists")
+    if "gqa" in _declared_features(rendered.source) and not any(n == "H_kv" for n, _ in signatures[0]):
+        raise ExportError(f"{config.id} {variant.label()}: declares '// FEATURES gqa' but its kernels take no 'int H_kv'")
     return KernelSpec(config.id, variant_dtype(variant, run.space), variant, rendered, signatures[0])
 
 

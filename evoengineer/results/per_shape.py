@@ -28,6 +28,16 @@ DISPATCH_RULE = (
     "measured cases runs the fallback configuration (the geometric-mean winner of the first run)"
 )
 DTYPES = ("fp16", "bf16")
+_DTYPE_ALIASES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "f16": "fp16",
+                  "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def canonical_dtype(name: str) -> str:
+    """``fp16`` or ``bf16`` (the names the exported module keys its kernels by)."""
+    try:
+        return _DTYPE_ALIASES[str(name).lower()]
+    except KeyError:
+        raise ExportError(f"dtype {name!r}: the exported module knows fp16 and bf16") from None
 
 
 class ExportError(ValueError):
@@ -88,7 +98,7 @@ def nearest(cases: Sequence[tuple[Shape, str]], shape: Shape) -> str | None:
 
 def variant_dtype(variant: Any, space: Space) -> str:
     """The dtype a variant's kernel is built for (``Variant.dtype`` where templates have one)."""
-    return str(getattr(variant, "dtype", None) or _space_dtype(space))
+    return canonical_dtype(getattr(variant, "dtype", None) or _space_dtype(space))
 
 
 def _space_dtype(space: Space) -> str:
@@ -101,7 +111,8 @@ def case_shape(case: Case, space: Space) -> Shape:
     heads_kv and dtype where the case has them; one ``S`` and ``H`` otherwise)."""
     seq = getattr(case, "seq", None)
     return Shape(
-        dtype=str(getattr(case, "dtype", None) or getattr(getattr(case, "variant", None), "dtype", None) or _space_dtype(space)),
+        dtype=canonical_dtype(getattr(case, "dtype", None) or getattr(getattr(case, "variant", None), "dtype", None)
+                              or _space_dtype(space)),
         batch=case.batch,
         heads=case.heads,
         heads_kv=int(getattr(case, "heads_kv", None) or case.heads),
@@ -119,12 +130,12 @@ def parse_label(label: str, default_dtype: str = "fp16") -> Shape | None:
     """A case label such as ``B4 H16 S2048 D64 causal``, ``B8 H32 Sq1 Sk4096 D128 bf16`` or
     ``B2 H32/8 S2048 D128`` as a ``Shape``; None when it is not one."""
     dims: dict[str, int] = {}
-    causal, dtype = False, default_dtype
+    causal, dtype = False, _DTYPE_ALIASES.get(str(default_dtype).lower(), default_dtype)
     for token in label.split():
         if token == "causal":
             causal = True
-        elif token in DTYPES:
-            dtype = token
+        elif token.lower() in _DTYPE_ALIASES:
+            dtype = _DTYPE_ALIASES[token.lower()]
         elif (m := _TOKEN.match(token)) is not None:
             dims[m.group(1)] = int(m.group(2))
             if m.group(1) == "H" and m.group(3):
