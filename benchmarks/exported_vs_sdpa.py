@@ -211,18 +211,19 @@ def speedups(rows: list[dict]) -> dict[str, float | None]:
 
 
 def print_block(console: Any, title: str, rows: list[dict], ratio: dict, err: float | None) -> None:
-    console.print(f"[bold]{title}[/]" + (f"  max err {err:.1e}" if err is not None else ""))
-    console.print(f"  {'impl':<15}{'dev µs':>9}{'eager µs':>9}{'ovh µs':>8}{'host µs':>9}{'sync µs':>9}{'graph µs':>10}")
+    console.print(f"[bold]{title}[/]")
+    console.print(f"  {'impl':<15}{'dev µs':>9}{'eager µs':>10}{'ovh µs':>8}{'host µs':>9}{'sync µs':>9}{'graph µs':>10}")
     for r in rows:
         if r["status"] != "ok":
-            console.print(f"  {r['impl']:<15}[dim]{r.get('reason', r['status'])[:55]}[/]")
+            console.print(f"  {r['impl']:<15}[dim]{r.get('reason', r['status'])[:60]}[/]")
             continue
-        console.print(f"  {r['impl']:<15}{r['device_us']:>9.1f}{r['eager_us']:>9.1f}{r['overhead_us']:>8.1f}"
+        console.print(f"  {r['impl']:<15}{r['device_us']:>9.1f}{r['eager_us']:>10.1f}{r['overhead_us']:>8.1f}"
                       f"{r['host_us']:>9.1f}{r['sync_us']:>9.1f}{r['graph_us']:>10.1f}")
     if ratio:
-        console.print(f"  ×sdpa: device {ratio['device_us']:.2f}  eager {ratio['eager_us']:.2f}  graph "
-                      f"{ratio['graph_us']:.2f}  host {ratio['host_us']:.2f}  (overhead {ratio['overhead_evo_us']:.1f}"
-                      f" vs {ratio['overhead_sdpa_us']:.1f} µs)")
+        console.print(f"  ×sdpa device {ratio['device_us']:.2f} eager {ratio['eager_us']:.2f} graph {ratio['graph_us']:.2f} "
+                      f"host {ratio['host_us']:.2f}; overhead {ratio['overhead_evo_us']:.1f} vs {ratio['overhead_sdpa_us']:.1f} µs")
+    if err is not None:
+        console.print(f"  max abs error against fp32 SDPA: {err:.1e}")
 
 
 def launch_paths(module: Any, dtype: Any, calls: int) -> list[dict]:
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     rows.append(measure(impl, fn, sets, args.calls, args.repetitions))
                 ratio = speedups(rows)
-                print_block(console, f"{title}  [{plan['config'][:6]} {plan['short']}]", rows, ratio, err)
+                print_block(console, f"{title}: {plan['config'][:6]} {plan['short']}", rows, ratio, err)
                 for r in rows:
                     results.append({"shape": name, "dtype": dtype_name, "causal": causal, "batch": batch, "heads": heads,
                                     "heads_kv": heads_kv, "seq_q": seq_q, "seq_k": seq_k, "head_dim": head_dim,
