@@ -97,14 +97,20 @@ def test_leaderboard_and_export_from_a_run(tmp_path: Path, space_yaml: Path) -> 
     # the module stands alone: import it from another directory with only torch and cupy
     check = subprocess.run(
         [sys.executable, "-c",
-         "import sys, torch; sys.path.insert(0, sys.argv[1]); from evo_attention import attention, CONFIG\n"
+         "import sys, torch; sys.path.insert(0, sys.argv[1]); from evo_attention import attention, CONFIGS\n"
          "q = torch.zeros(1, 2, 8, 64, dtype=torch.float16)\n"
          "try:\n    attention(q, q, q)\nexcept ValueError as e:\n    print('rejected:', e)\n"
          "try:\n    attention(q.float(), q, q)\nexcept TypeError as e:\n    print('rejected:', e)\n",
          str(out)],
         capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert "rejected: attention: q must be on a CUDA device" in check.stdout, check.stderr
-    assert "rejected: attention: q must be torch.float16" in check.stdout
+    assert "rejected: attention: q, k and v must be CUDA tensors, got device cpu" in check.stdout, check.stderr
+    assert "rejected: attention: q, k and v must have one dtype, got q torch.float32" in check.stdout
+
+    # without --rank: per-case winners; a replayed run records no per-case times, so its rank 1 serves every call
+    per_shape = cli("export", str(run), "--out", str(tmp_path / "per-shape"), cwd=tmp_path)
+    assert per_shape.returncode == 0, per_shape.stderr
+    info = json.loads((tmp_path / "per-shape" / "kernel.json").read_text())
+    assert info["mode"] == "per-shape" and info["dispatch"]["table"] == [] and list(info["configs"]) == [board["entries"][0]["key"]]
 
 
 def test_search_without_gpu_points_to_check(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ typical session:
   evoengineer bench --space h100 --config PATH=wmma,BLOCK_M=64,BLOCK_N=64,WARPS=4,VEC=8
   evoengineer search --space h100 --time 10m       # the search (GPU)
   evoengineer leaderboard runs/<run>               # the ranked finalists
-  evoengineer export runs/<run> --rank 1 --out best/
+  evoengineer leaderboard runs/<run> --per-shape   # the fastest config of every case
+  evoengineer export runs/<run> --out best/        # a module choosing a config per call
 
 --space takes a YAML path or a built-in name (l4, h100); spaces/NAME.yaml falls
 back to the built-in space NAME when no such file exists here.

@@ -13,7 +13,11 @@ from .common import EXIT_OK, UsageError, run_path
 def cmd_leaderboard(args: argparse.Namespace) -> int:
     from ..results import leaderboard_csv, leaderboard_table, load_leaderboard
 
-    board = load_leaderboard(run_path(args.run), args.top)
+    if args.per_shape:
+        return _per_shape(args)
+    if len(args.run) > 1:
+        raise UsageError("leaderboard: one run at a time (several runs only with --per-shape)")
+    board = load_leaderboard(run_path(args.run[0]), args.top)
     if args.json:
         print(json.dumps(board))
     elif args.csv:
@@ -23,19 +27,50 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    from ..results import export_entry, load_leaderboard
+def _per_shape(args: argparse.Namespace) -> int:
+    from ..results import ExportError, config_legend, per_shape_table, per_shape_winners
 
-    run = run_path(args.run)
-    board = load_leaderboard(run)
-    entry = next((e for e in board["entries"] if e["rank"] == args.rank), None)
-    if entry is None:
-        raise UsageError(f"--rank {args.rank}: {run} has {len(board['entries'])} ranked entries")
-    written = export_entry(run, entry, board, Path(args.out))
+    try:
+        per = per_shape_winners([run_path(r) for r in args.run])
+    except ExportError as exc:
+        raise UsageError(str(exc)) from None
+    if args.csv:
+        raise UsageError("leaderboard --per-shape: --json or the table, not --csv")
+    if args.json:
+        print(json.dumps(per.to_json()))
+        return EXIT_OK
+    console = Console(highlight=False, width=80)
+    if not per.winners:
+        console.print("no per-case timings in these runs (replayed runs record none); export uses the fallback only")
+    else:
+        console.print(per_shape_table(per))
+    console.print("×SDPA: the fastest SDPA backend's time / the winner's (> 1: faster)")
+    for line in config_legend(per):
+        console.print(line, soft_wrap=True)
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ..results import ExportError, export_entry, export_runs, load_leaderboard
+
+    runs = [run_path(r) for r in args.run]
+    try:
+        if args.rank is not None:
+            if len(runs) > 1:
+                raise UsageError("--rank N exports one configuration of one run; give one run, or drop --rank")
+            board = load_leaderboard(runs[0])
+            entry = next((e for e in board["entries"] if e["rank"] == args.rank), None)
+            if entry is None:
+                raise UsageError(f"--rank {args.rank}: {runs[0]} has {len(board['entries'])} ranked entries")
+            written = export_entry(runs[0], entry, board, Path(args.out))
+        else:
+            written = export_runs(runs, Path(args.out))
+    except ExportError as exc:
+        raise UsageError(str(exc)) from None
     console = Console(highlight=False)
     for path in written:
         console.print(f"wrote {path}")
-    console.print(f"use: import sys; sys.path.insert(0, '{args.out}'); from {written[0].stem} import attention")
+    console.print(f"use: import sys; sys.path.insert(0, '{args.out}'); from {written[0].stem} import attention", soft_wrap=True)
     return EXIT_OK
 
 
@@ -54,8 +89,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("leaderboard", help="the ranked finalists of a run, with SDPA rows")
-    p.add_argument("run", help="a run directory (runs/<run>)")
+    p.add_argument("run", nargs="+", help="a run directory (runs/<run>); several with --per-shape")
     p.add_argument("--top", type=int, help="show the first N")
+    p.add_argument("--per-shape", action="store_true",
+                   help="the fastest configuration of every measured case (across the runs given), with SDPA's")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true")
     fmt.add_argument("--csv", action="store_true")
@@ -66,8 +103,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="PNG path (default runs/<run>/progress.png)")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("export", help="write a drop-in kernel: source, launch metadata, a Python module")
-    p.add_argument("run", help="a run directory (runs/<run>)")
-    p.add_argument("--rank", type=int, default=1, help="leaderboard rank to export (default 1)")
+    p = sub.add_parser("export", help="write a drop-in attention module: sources, launch metadata, dispatch table")
+    p.add_argument("run", nargs="+", help="run directories (runs/<run>): per case the fastest configuration of them all")
+    p.add_argument("--rank", type=int, help="export only this leaderboard rank of one run (a single configuration)")
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=cmd_export)

@@ -1,66 +1,305 @@
-"""Export a leaderboard entry as a drop-in kernel: CUDA sources, launch metadata, and a
-Python module with ``attention(q, k, v, is_causal=False, scale=None)`` that needs only
-torch and cupy."""
+"""Export searched kernels as one drop-in Python module.
+
+``export_runs`` combines the measurements of one or more runs: for every measured case
+the fastest configuration (``per_shape``), one kernel per distinct (configuration,
+dtype, head dim, causal), and a dispatch table in the module that picks a configuration
+per call. ``export_entry`` exports a single leaderboard entry (``--rank N``). Both write
+``<out>/<module>.py`` (needs only torch and cupy), the CUDA sources and ``kernel.json``
+(configurations, kernels, the dispatch rule and table).
+"""
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Sequence
 
 import jinja2
 
 from ..resources import templates_dir
-from ..search import RunDir
-from ..space import Config, load_space
+from ..space import Config, Variant
+from .per_shape import (
+    DISPATCH_RULE,
+    ExportError,
+    MeasuredConfig,
+    PerShape,
+    RunInfo,
+    Shape,
+    nearest,
+    per_shape_winners,
+    short_config,
+    variant_dtype,
+)
 
 MODULE_NAME = "evo_attention"
 
+POINTER_ARGS = ("Q", "K", "V", "O", "WS")
+"""The kernel's pointer arguments, in the roles the module fills per call."""
+KNOWN_SCALARS = ("B", "H", "H_kv", "S_q", "S_k", "q_sb", "q_sh", "q_ss", "k_sb", "k_sh", "k_ss",
+                 "v_sb", "v_sh", "v_ss", "o_sb", "o_sh", "o_ss", "scale_log2")
+"""Scalar arguments the module knows how to fill (``kernels.render.KERNEL_ARGS``, plus
+``H_kv`` of the GQA templates)."""
+
+
+@dataclass
+class KernelSpec:
+    config_id: str
+    dtype: str
+    variant: Variant
+    rendered: Any  # kernels.Rendered
+    args: list[tuple[str, str]]
+
+    @property
+    def key(self) -> tuple[str, int, bool, str]:
+        return (self.dtype, self.variant.head_dim, self.variant.causal, self.config_id)
+
+    @property
+    def features(self) -> list[str]:
+        """``gqa`` where the kernel takes ``int H_kv``, plus what its ``// FEATURES`` line declares."""
+        declared = _declared_features(self.rendered.source)
+        if any(name == "H_kv" for name, _ in self.args):
+            declared.add("gqa")
+        return sorted(declared)
+
+    @property
+    def filename_stem(self) -> str:
+        return f"{self.config_id[:12]}-{self.dtype}-{self.variant.label()}"
+
+
+# -- the kernel's signature ------------------------------------------------------------------
+
+
+_SIGNATURE = r"__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?{name}\s*\(([^)]*)\)"
+
+
+def kernel_args(source: str, kernel: str) -> list[tuple[str, str]]:
+    """The parameter list of ``kernel`` in ``source`` as (name, kind), kind one of
+    ``ptr``, ``i32``, ``i64``, ``f32``: what the module packs, by name."""
+    match = re.search(_SIGNATURE.format(name=re.escape(kernel)), source)
+    if match is None:
+        raise ExportError(f"kernel {kernel!r}: no __global__ definition found in its source")
+    args = []
+    for part in (p.strip() for p in match.group(1).split(",")):
+        m = re.fullmatch(r"(.*?)\s*\b([A-Za-z_]\w*)", part)
+        if m is None:
+            raise ExportError(f"kernel {kernel!r}: cannot read parameter {part!r}")
+        ctype, name = " ".join(m.group(1).split()), m.group(2)
+        if "*" in ctype:
+            kind = "ptr"
+        elif ctype in ("int", "const int", "int32_t"):
+            kind = "i32"
+        elif ctype in ("long long", "const long long", "int64_t"):
+            kind = "i64"
+        elif ctype in ("float", "const float"):
+            kind = "f32"
+        else:
+            raise ExportError(f"kernel {kernel!r}: parameter {part!r} has a type the module cannot pack")
+        known = POINTER_ARGS if kind == "ptr" else KNOWN_SCALARS
+        if name not in known:
+            raise ExportError(f"kernel {kernel!r}: parameter {name!r} is not one the module knows how to fill "
+                              f"(pointers {', '.join(POINTER_ARGS)}; scalars {', '.join(KNOWN_SCALARS)})")
+        args.append((name, kind))
+    return args
+
+
+def _declared_features(source: str) -> set[str]:
+    """Features a template declares with a ``// FEATURES a b`` line (e.g. ``gqa``)."""
+    found: set[str] = set()
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("// FEATURES "):
+            found.update(stripped[len("// FEATURES "):].split())
+    return found
+
+
+def _spec(run: RunInfo, config: MeasuredConfig, variant: Variant) -> KernelSpec:
+    from ..kernels import from_source, render
+
+    measured = run.path / "sources" / f"{config.key}-{variant.label()}.cu"
+    cfg = Config(config.config)
+    # the source that was measured, where the run kept it; otherwise rendered now
+    rendered = (from_source(config.template, cfg, variant, measured.read_text()) if measured.exists()
+                else render(config.template, cfg, variant))
+    signatures = [kernel_args(rendered.source, launch.kernel) for launch in rendered.launches]
+    if any(s != signatures[0] for s in signatures):
+        raise ExportError(f"{config.id} {variant.label()}: its launches take different argument lists")
+    if "gqa" in _declared_features(rendered.source) and not any(n == "H_kv" for n, _ in signatures[0]):
+        raise ExportError(f"{config.id} {variant.label()}: declares '// FEATURES gqa' but its kernels take no 'int H_kv'")
+    return KernelSpec(config.id, variant_dtype(variant, run.space), variant, rendered, signatures[0])
+
+
+def _variant_like(template: Variant, dtype: str, head_dim: int, causal: bool) -> Variant:
+    changes: dict[str, Any] = {"head_dim": head_dim, "causal": causal}
+    if hasattr(template, "dtype"):
+        changes["dtype"] = dtype
+    return replace(template, **changes)
+
+
+# -- exports ----------------------------------------------------------------------------------
+
+
+def export_runs(runs: Sequence[Path], out: Path, module_name: str = MODULE_NAME) -> list[Path]:
+    """One module holding the per-case winners of ``runs`` (and their fallback), choosing a
+    configuration per call by the nearest measured case."""
+    from ..kernels import RenderError
+
+    per = per_shape_winners([Path(r) for r in runs])
+    run_of = {str(r.path): r for r in per.runs}
+    all_variants: dict[tuple[str, int, bool], Variant] = {}
+    for run in per.runs:
+        for variant in run.variants():
+            all_variants.setdefault((variant_dtype(variant, run.space), variant.head_dim, variant.causal), variant)
+    wanted: dict[str, set[tuple[str, int, bool]]] = {}
+    for winner in per.winners:
+        wanted.setdefault(winner.config, set()).add(winner.shape.variant_key)
+    wanted.setdefault(per.fallback, set()).update(all_variants)
+    specs: list[KernelSpec] = []
+    notes = list(per.notes)
+    for cid, keys in wanted.items():
+        config = per.configs[cid]
+        run = run_of[config.run]
+        for dtype, head_dim, causal in sorted(keys):
+            base = all_variants.get((dtype, head_dim, causal)) or next(iter(run.variants()))
+            variant = _variant_like(base, dtype, head_dim, causal)
+            try:
+                specs.append(_spec(run, config, variant))
+            except RenderError as exc:
+                if cid != per.fallback or any(w.config == cid and w.shape.variant_key == (dtype, head_dim, causal)
+                                              for w in per.winners):
+                    raise ExportError(f"{cid}: {exc}") from None
+                notes.append(f"fallback {cid} does not render for {dtype} D{head_dim}{' causal' if causal else ''}: {exc}")
+    return _write(out, module_name, per, specs, mode="per-shape", notes=notes, measured=None)
+
 
 def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_name: str = MODULE_NAME) -> list[Path]:
-    """Write ``<out>/<module>.py``, one ``.cu`` per problem variant and ``kernel.json``."""
-    from ..kernels import from_source, render
-    from ..space import Variant
+    """One configuration (a leaderboard entry) for every variant of the run's space."""
+    run = RunInfo.load(Path(run_path))
+    config = MeasuredConfig(entry["key"], entry["key"], dict(entry["config"]), run.space.template, str(run.path))
+    winners = []
+    from .per_shape import CaseWinner
 
-    run = RunDir(Path(run_path))
-    meta = run.meta()
-    space = load_space(run.path / "space.yaml")
-    config = Config(entry["config"])
+    for case in entry.get("cases", []):
+        shape = run.shape(case["label"])
+        if shape is not None:
+            winners.append(CaseWinner(case["label"], shape, config.id, float(case["median_us"]), str(run.path), 1))
+    per = PerShape([run], winners, {config.id: config}, config.id)
+    specs = [_spec(run, config, variant) for variant in run.variants()]
+    measured = {"rank": entry["rank"], "cases": entry["cases"], "geomean_us": entry["geomean_us"],
+                "speedup_vs_sdpa": entry["speedup"], "retimed": board.get("retimed"), "resources": entry.get("resources", {})}
+    return _write(out, module_name, per, specs, mode="rank", notes=[], measured=measured)
+
+
+def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], *, mode: str, notes: list[str],
+           measured: dict | None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    variants = sorted({Variant(d, c) for d in sorted({v.head_dim for v in space.variants}) for c in (False, True)},
-                      key=lambda v: (v.head_dim, v.causal))
-    kernels, written = [], []
-    for variant in variants:
-        measured = run.path / "sources" / f"{config.key()}-{variant.label()}.cu"
-        # the source that was measured, where the run kept it; variants outside the space are rendered now
-        rendered = (from_source(space.template, config, variant, measured.read_text()) if measured.exists()
-                    else render(space.template, config, variant))
-        cu = out / f"{module_name}_{variant.label()}.cu"
-        cu.write_text(rendered.source)
-        written.append(cu)
-        kernels.append({
-            "head_dim": variant.head_dim, "causal": variant.causal, "rendered": rendered,
-            "launches_json": json.dumps(rendered.launch_metadata()["launches"]),
-            "workspace": rendered.workspace_floats_per_row, "source_literal": repr(rendered.source),
-        })
-    figures = ", ".join(f"{c['label']}: {c['median_us']:.2f} µs" for c in entry["cases"])
-    speed = ", ".join(f"{b} {s:.2f}x" for b, s in entry["speedup"].items() if s)
+    written: list[Path] = []
+    for spec in specs:
+        path = out / f"{module_name}_{spec.filename_stem}.cu"
+        path.write_text(spec.rendered.source)
+        written.append(path)
+    have = {(s.dtype, s.variant.head_dim, s.variant.causal): set() for s in specs}
+    for s in specs:
+        have[(s.dtype, s.variant.head_dim, s.variant.causal)].add(s.config_id)
+    dispatch: dict[tuple[str, int, bool], tuple[str, list[tuple[int, int, int, int, str]]]] = {}
+    for vkey, ids in sorted(have.items()):
+        cases = [w for w in per.winners if w.shape.variant_key == vkey and w.config in ids]
+        fallback = per.fallback if per.fallback in ids else (cases[0].config if cases else sorted(ids)[0])
+        dispatch[vkey] = (fallback, [(w.shape.batch * w.shape.heads, w.shape.seq_q, w.shape.seq_k,
+                                      max(1, w.shape.heads // w.shape.heads_kv), w.config) for w in cases])
+    used = sorted({s.config_id for s in specs})
+    fingerprint = json.dumps([sorted((s.key, s.rendered.source_hash) for s in specs), sorted(dispatch.items())], default=str)
+    namespace = "evoengineer_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:8]
+    gpu, arch = per.runs[0].gpu, per.runs[0].arch
+    decode = _decode_note(per, dispatch)
+
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    configs_literal = {cid: {"label": per.configs[cid].label(), "short": short_config(per.configs[cid].config),
+                             "config": per.configs[cid].config} for cid in used}
     module = env.get_template("_export_module.py.j2").render(
-        config_label=config.label(), gpu=board.get("gpu", "?"), arch=meta.get("arch", space.target.arch), space=space.name,
-        figures=f"{figures}; speedup over SDPA (geomean): {speed or 'n/a'}", module_name=module_name,
-        config_json=repr(config.to_dict()), head_dims=sorted({k["head_dim"] for k in kernels}), kernels=kernels,
+        module_name=module_name, namespace=namespace, gpu=gpu, arch=arch, mode=mode,
+        spaces=", ".join(dict.fromkeys(r.space.name for r in per.runs)),
+        summary=[f"{cid[:6]} {configs_literal[cid]['short']}: {sum(1 for w in per.winners if w.config == cid)} measured case(s)"
+                 + (" (fallback)" if cid == per.fallback else "") for cid in used],
+        configs_literal=_py(configs_literal), fallback=per.fallback,
+        dispatch_literal=_py({k: (v[0], tuple(v[1])) for k, v in dispatch.items()}),
+        kernels=[{"key": _py(s.key), "launches": _py([_launch(l) for l in s.rendered.launches]),
+                  "workspace": s.rendered.workspace_floats_per_row, "args": _py(s.args), "features": _py(s.features),
+                  "source": repr(s.rendered.source)} for s in specs],
+        rule=DISPATCH_RULE,
     )
     module_path = out / f"{module_name}.py"
     module_path.write_text(module)
-    info = {
-        "config": config.to_dict(), "key": config.key(), "template": space.template, "space": space.name,
-        "arch": meta.get("arch", space.target.arch), "gpu": board.get("gpu"), "rank": entry["rank"],
-        "measured": {"cases": entry["cases"], "geomean_us": entry["geomean_us"], "speedup_vs_sdpa": entry["speedup"],
-                     "retimed": board.get("retimed")},
-        "resources": entry.get("resources", {}),
-        "kernels": [{"head_dim": k["head_dim"], "causal": k["causal"], "source": f"{module_name}_{k['rendered'].variant.label()}.cu",
-                     **k["rendered"].launch_metadata()} for k in kernels],
+
+    fallback_cfg = per.configs[per.fallback]
+    info: dict[str, Any] = {
+        "module": module_name, "op": f"{namespace}::attention", "mode": mode,
+        "config": fallback_cfg.config, "key": fallback_cfg.key, "template": fallback_cfg.template,
+        "space": per.runs[0].space.name, "arch": arch, "gpu": gpu,
+        "runs": [{"path": str(r.path), "space": r.space.name, "gpu": r.gpu, "arch": r.arch} for r in per.runs],
+        "configs": {cid: {**configs_literal[cid], "key": per.configs[cid].key, "template": per.configs[cid].template,
+                          "run": per.configs[cid].run,
+                          "variants": sorted(f"{s.dtype} {s.variant.label()}" for s in specs if s.config_id == cid)}
+                    for cid in used},
+        "dispatch": {
+            "rule": DISPATCH_RULE,
+            "fallback": per.fallback,
+            "variants": [{"dtype": k[0], "head_dim": k[1], "causal": k[2], "fallback": v[0],
+                          "measured_cases": len(v[1])} for k, v in dispatch.items()],
+            "table": [{"case": w.label, **{f: getattr(w.shape, f) for f in ("dtype", "batch", "heads", "heads_kv", "seq_q",
+                                                                          "seq_k", "head_dim", "causal")},
+                       "config": w.config, "config_short": short_config(per.configs[w.config].config),
+                       "median_us": w.median_us, "candidates": w.candidates, "sdpa_backend": w.sdpa_backend,
+                       "sdpa_us": w.sdpa_us, "speedup_vs_sdpa": w.speedup, "run": w.run}
+                      for w in per.winners],
+        },
+        "decode": decode,
+        "kernels": [_kernel_info(s, module_name) for s in specs],
+        "notes": notes,
     }
+    if measured is not None:
+        info.update(rank=measured["rank"], measured=measured, resources=measured.get("resources", {}))
     info_path = out / "kernel.json"
     info_path.write_text(json.dumps(info, indent=2))
     return [module_path, *written, info_path]
+
+
+def _kernel_info(spec: KernelSpec, module_name: str) -> dict:
+    meta = spec.rendered.launch_metadata()
+    meta.pop("kernel_args", None)  # the signature this source declares is "args"
+    return {**meta, "config": spec.config_id, "params": meta["config"], "dtype": spec.dtype,
+            "head_dim": spec.variant.head_dim, "causal": spec.variant.causal,
+            "source": f"{module_name}_{spec.filename_stem}.cu", "args": [n for n, _ in spec.args], "features": spec.features}
+
+
+def _decode_note(per: PerShape, dispatch: dict) -> dict:
+    """Which configurations serve q_len = 1: measured decode cases, and for each non-causal
+    variant the configuration a typical decode call (B8, S_k 4096) gets."""
+    measured = [{"case": w.label, "config": w.config} for w in per.winners if w.shape.seq_q == 1]
+    table = [(w.shape, w.config) for w in per.winners]
+    examples = []
+    for (dtype, head_dim, causal), (fallback, _) in dispatch.items():
+        if causal:
+            continue
+        heads = 32 if head_dim >= 128 else 16
+        probe = Shape(dtype, 8, heads, heads, 1, 4096, head_dim, False)
+        examples.append({"call": probe.label(), "config": nearest(table, probe) or fallback})
+    return {
+        "measured_cases": measured,
+        "configs": sorted({m["config"] for m in measured} | {e["config"] for e in examples}),
+        "examples": examples,
+        "note": "q_len = 1 calls follow the same rule; a split-K/V configuration (SPLITS > 1: K/V split over CTAs, "
+                "then a combine launch with a workspace) measured on a decode case wins that case and serves decode calls",
+    }
+
+
+def _launch(launch: Any) -> dict:
+    return {"kernel": launch.kernel, "block": list(launch.block), "smem": launch.smem,
+            "rows_per_cta": launch.rows_per_cta, "grid_z": launch.grid_z}
+
+
+def _py(value: Any) -> str:
+    """A Python literal (dicts, lists, tuples, str, int, float, bool, None)."""
+    return repr(value)
