@@ -25,8 +25,8 @@ def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_nam
     space = load_space(run.path / "space.yaml")
     config = Config(entry["config"])
     out.mkdir(parents=True, exist_ok=True)
-    variants = sorted({Variant(d, c) for d in sorted({v.head_dim for v in space.variants}) for c in (False, True)},
-                      key=lambda v: (v.head_dim, v.causal))
+    variants = sorted({Variant(d, c, t) for d in {v.head_dim for v in space.variants} for c in (False, True) for t in space.dtypes},
+                      key=lambda v: (v.head_dim, v.causal, v.dtype))
     kernels, written = [], []
     for variant in variants:
         measured = run.path / "sources" / f"{config.key()}-{variant.label()}.cu"
@@ -37,7 +37,7 @@ def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_nam
         cu.write_text(rendered.source)
         written.append(cu)
         kernels.append({
-            "head_dim": variant.head_dim, "causal": variant.causal, "rendered": rendered,
+            "head_dim": variant.head_dim, "causal": variant.causal, "dtype": variant.dtype, "rendered": rendered,
             "launches_json": json.dumps(rendered.launch_metadata()["launches"]),
             "workspace": rendered.workspace_floats_per_row, "source_literal": repr(rendered.source),
         })
@@ -49,6 +49,7 @@ def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_nam
         config_label=config.label(), gpu=board.get("gpu", "?"), arch=meta.get("arch", space.target.arch), space=space.name,
         figures=f"{figures}; speedup over SDPA (geomean): {speed or 'n/a'}", module_name=module_name,
         config_json=repr(config.to_dict()), head_dims=sorted({k["head_dim"] for k in kernels}), kernels=kernels,
+        dtypes=list(space.dtypes),
     )
     module_path = out / f"{module_name}.py"
     module_path.write_text(module)
@@ -58,7 +59,7 @@ def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_nam
         "measured": {"cases": entry["cases"], "geomean_us": entry["geomean_us"], "speedup_vs_sdpa": entry["speedup"],
                      "retimed": board.get("retimed")},
         "resources": entry.get("resources", {}),
-        "kernels": [{"head_dim": k["head_dim"], "causal": k["causal"], "source": f"{module_name}_{k['rendered'].variant.label()}.cu",
+        "kernels": [{"head_dim": k["head_dim"], "causal": k["causal"], "dtype": k["dtype"], "source": f"{module_name}_{k['rendered'].variant.label()}.cu",
                      **k["rendered"].launch_metadata()} for k in kernels],
     }
     info_path = out / "kernel.json"
