@@ -362,7 +362,7 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
     known = {p.name for p in params} | space_env_names
     constraints = _parse_constraints(v, root.get("constraints", []), known)
 
-    atol, rtol, dtype_tolerances = _parse_tolerances(v, root.get("tolerances", {}), dtypes)
+    atol, rtol, dtype_tolerances = _parse_tolerances(v, root.get("tolerances", {}))
 
     tm = v.mapping(root.get("timing", {}), "timing", _TIMING_KEYS)
     timing = Timing(
@@ -426,7 +426,7 @@ def _parse_dtypes(v: "_Validator", raw: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _parse_tolerances(v: "_Validator", raw: Any, dtypes: Sequence[str]) -> tuple[float, float, tuple[tuple[str, float, float], ...]]:
+def _parse_tolerances(v: "_Validator", raw: Any) -> tuple[float, float, tuple[tuple[str, float, float], ...]]:
     """Top-level ``atol``/``rtol`` (fp16, and every dtype without its own entry, when given)
     and per-dtype ``{bf16: {atol, rtol}}`` entries; what is left out takes the dtype's default."""
     tol = v.mapping(raw, "tolerances", _TOL_KEYS)
@@ -438,7 +438,7 @@ def _parse_tolerances(v: "_Validator", raw: Any, dtypes: Sequence[str]) -> tuple
         merged |= {name: v.number(own[name], f"tolerances.{dtype}.{name}", positive=True) for name in ("atol", "rtol") if name in own}
         per[dtype] = (merged["atol"], merged["rtol"])
     atol, rtol = per["fp16"]
-    return atol, rtol, tuple((d, *per[d]) for d in DTYPES if d in dtypes and per[d] != (atol, rtol))
+    return atol, rtol, tuple((d, *per[d]) for d in DTYPES if per[d] != (atol, rtol))
 
 
 def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",)) -> tuple[Case, ...]:
