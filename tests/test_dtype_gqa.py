@@ -359,3 +359,53 @@ def test_check_command_on_the_bf16_space(tmp_path: Path) -> None:
     data = json.loads(proc.stdout)
     assert data["summary"]["variants"] == ["D64-bf16", "D64-causal-bf16", "D128-bf16", "D128-causal-bf16"]
     assert data["summary"]["compiled"] == 3 and data["summary"]["failed"] == 0
+
+
+TINY_MIXED = {
+    "name": "tiny-mixed",
+    "target": {"name": "any", "arch": "sm_90", "sms": 132, "smem_per_block": 232448},
+    "problem": {"dtype": ["fp16", "bf16"], "shapes": [{"B": 1, "H": 8, "H_KV": 2, "S": 256, "D": 64, "causal": [False, True]}]},
+    "template": "flash_attention",
+    "params": {"PATH": ["scalar", "mma"], "BLOCK_M": [64], "BLOCK_N": [64], "WARPS": [4], "VEC": [8]},
+    "search": {"strategy": "grid", "budget": 2, "top_k": 1},
+}
+
+
+def test_export_of_a_mixed_dtype_run(tmp_path: Path) -> None:
+    """A run over fp16 and bf16 exports one kernel per (head dim, causal, dtype); the module
+    takes either dtype and names both when it rejects another."""
+    import json
+
+    import yaml
+
+    recording = tmp_path / "recording.jsonl"
+    records = [{"header": {"space_inline": TINY_MIXED}}]
+    for path, us in (("scalar", 50.0), ("mma", 20.0)):
+        config = Config(PATH=path, BLOCK_M=64, BLOCK_N=64, WARPS=4, VEC=8)
+        records.append({"config": config.to_dict(), "key": config.key(), "status": "ok", "reason": "", "objective_us": us})
+    recording.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY_MIXED, sort_keys=False))
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "evoengineer", *args], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+
+    run, out = tmp_path / "run", tmp_path / "best"
+    done = cli("search", "--space", "tiny.yaml", "--replay", str(recording), "--run-dir", str(run), "--quiet")
+    assert done.returncode == 0, done.stderr + done.stdout
+    exported = cli("export", str(run), "--rank", "1", "--out", str(out))
+    assert exported.returncode == 0, exported.stderr
+    info = json.loads((out / "kernel.json").read_text())
+    assert info["config"]["PATH"] == "mma"
+    assert sorted((k["head_dim"], k["causal"], k["dtype"]) for k in info["kernels"]) == [
+        (64, False, "bf16"), (64, False, "fp16"), (64, True, "bf16"), (64, True, "fp16")]
+    assert (out / "evo_attention_D64-causal-bf16.cu").read_text().count("f32.bf16.bf16.f32") == 1
+    check = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, torch; sys.path.insert(0, sys.argv[1]); from evo_attention import attention, KERNELS, DTYPES\n"
+         "print(sorted(KERNELS), DTYPES)\n"
+         "q = torch.zeros(1, 8, 8, 64)\n"
+         "try:\n    attention(q, q[:, :2], q[:, :2])\nexcept TypeError as e:\n    print('rejected:', e)\n",
+         str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert "[(64, False, 'bf16'), (64, False, 'fp16'), (64, True, 'bf16'), (64, True, 'fp16')] ['fp16', 'bf16']" in check.stdout, check.stderr
+    assert "rejected: attention: q must be torch.float16 or torch.bfloat16" in check.stdout
