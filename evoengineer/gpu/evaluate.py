@@ -288,12 +288,14 @@ def _time_job(launcher: Any, job: dict) -> dict:
 def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> Callable[[], Any]:
     """One call of attention on (B, H, S, D) inputs: an SDPA backend forced (``SDPA_BACKENDS``),
     SDPA as the user calls it with torch's own backend choice (``default``), or a peer
-    library (``fa4``: flash-attn-4's ``flash_attn.cute``, timed on (B, S, H, D) copies)."""
+    library (``fa4``: flash-attn-4's ``flash_attn.cute``, timed on (B, S, H, D) copies).
+    k and v with fewer heads than q: SDPA with ``enable_gqa=True``; flash-attn takes them as they are."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if backend == "default":
-        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
     if backend == "fa4":
         from flash_attn.cute import flash_attn_func
 
@@ -301,8 +303,6 @@ def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | N
         return lambda: flash_attn_func(qt, kt, vt, softmax_scale=scale, causal=causal)
     chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
-
-    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
 
     def op() -> Any:
         with sdpa_kernel([chosen]):
