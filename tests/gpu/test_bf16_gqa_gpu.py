@@ -212,3 +212,48 @@ timing: {warmup: 3, repetitions: 20, flush_l2: true, timeout_s: 30}
         baseline = evaluator.baseline()
     assert set(baseline) == {c.label() for c in space.cases}
     assert set(fastest_sdpa(baseline)) == set(baseline), baseline
+
+
+def test_exported_module_runs_bf16_and_gqa(tmp_path) -> None:
+    """A run over fp16 and bf16 (answered from a recording), exported: the module's kernels take
+    grouped K/V in either dtype."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    space = {
+        "name": "tiny-mixed",
+        "target": {"name": "any", "arch": "sm_90", "sms": 132, "smem_per_block": 232448},
+        "problem": {"dtype": ["fp16", "bf16"], "shapes": [{"B": 1, "H": 8, "H_KV": 2, "S": 256, "D": 64, "causal": [False, True]}]},
+        "template": "flash_attention",
+        "params": {"PATH": ["mma"], "BLOCK_M": [64], "BLOCK_N": [64], "WARPS": [4], "VEC": [8], "SPLITS": [2]},
+        "search": {"strategy": "grid", "budget": 1, "top_k": 1},
+    }
+    config = Config(PATH="mma", BLOCK_M=64, BLOCK_N=64, WARPS=4, VEC=8, SPLITS=2)
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(space, sort_keys=False))
+    (tmp_path / "rec.jsonl").write_text(json.dumps({"header": {"space_inline": space}}) + "\n" + json.dumps(
+        {"config": config.to_dict(), "key": config.key(), "status": "ok", "reason": "", "objective_us": 10.0}) + "\n")
+    run, out = tmp_path / "run", tmp_path / "best"
+    for args in (("search", "--space", "tiny.yaml", "--replay", "rec.jsonl", "--run-dir", str(run), "--quiet"),
+                 ("export", str(run), "--rank", "1", "--out", str(out))):
+        done = subprocess.run([sys.executable, "-m", "evoengineer", *args], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        assert done.returncode == 0, done.stderr + done.stdout
+    import importlib.util
+
+    # a name of its own: another test imports another export as evo_attention in this process
+    spec = importlib.util.spec_from_file_location("evo_attention_bf16_gqa", out / "evo_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    attention = module.attention
+    for dtype in (torch.float16, torch.bfloat16):
+        atol, rtol = DEFAULT_TOLERANCES["bf16" if dtype == torch.bfloat16 else "fp16"]
+        for causal in (False, True):
+            q = torch.randn(2, 8, 333, 64, device="cuda", dtype=dtype)
+            k, v = (torch.randn(2, 2, 333, 64, device="cuda", dtype=dtype) for _ in range(2))
+            got = attention(q, k, v, is_causal=causal)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), _reference(q, k, v, causal), atol=atol, rtol=rtol)
+    with pytest.raises(ValueError, match="divides"):
+        attention(q, k[:, :1].expand(2, 3, 333, 64).contiguous(), v[:, :1].expand(2, 3, 333, 64).contiguous())
