@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = []
     for text in args.shape:
         b, h, seq, d = parse_shape(text)
-        extra += [Case(b, h, seq, d, False), Case(b, h, seq, d, True)]
+        extra += [Case(b, h, seq, d, causal, dtype=dtype) for dtype in space.dtypes for causal in (False, True)]
     if extra:
         space = dataclasses.replace(space, cases=tuple(dict.fromkeys(space.cases + tuple(extra))))
     configs = [Config.parse(c) for c in args.config]

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     space = load_space(args.space)
-    cases = [Case(*parse_shape(s), causal) for s in args.shape for causal in (False, True)] or list(space.cases)
+    cases = [Case(*parse_shape(s), causal, dtype=dtype) for s in args.shape for dtype in space.dtypes
+             for causal in (False, True)] or list(space.cases)
     configs = [Config.parse(c) for c in args.config]
     arch = "sm_%d%d" % torch.cuda.get_device_capability()
     timing = {"flush_l2": True, "repetitions": space.timing.repetitions, "warmup": space.timing.warmup}
@@ -75,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     # Each kernel is gated once, on the edge shapes and every timed shape of its variant.
     verdicts = {}
     for (side, i, v), kern in kernels.items():
-        gate = [Case(b, h, s, v.head_dim, v.causal) for b, h, s in EDGE_SEQS] + [c for c in cases if c.variant == v]
-        verdicts[(side, i, v)] = next((r for r in (gate_launcher(kern, g, space.scale, space.atol, space.rtol, seed=0, trials=1)
+        gate = [Case(b, h, s, v.head_dim, v.causal, dtype=v.dtype) for b, h, s in EDGE_SEQS] + [c for c in cases if c.variant == v]
+        verdicts[(side, i, v)] = next((r for r in (gate_launcher(kern, g, space.scale, *space.tolerance(v.dtype), seed=0, trials=1)
                                                   for g in gate) if r.status != "ok"), None)
     figures: dict[str, dict] = {}
     for case in cases:

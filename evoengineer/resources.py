@@ -31,7 +31,7 @@ def spaces_dir() -> Path:
 
 def builtin_spaces() -> dict[str, Path]:
     """Built-in space name (file stem) -> path."""
-    return {p.stem: p for p in sorted(spaces_dir().glob("*.yaml"))}
+    return {p.stem: p for p in sorted(spaces_dir().glob("*.yaml"), key=lambda p: p.stem)}
 
 
 def template_names(directory: str | Path | None = None) -> list[str]:

@@ -25,6 +25,9 @@ makes), and flash-attn-4 (a peer library), when it is installed."""
 EDGE_SEQS = ((1, 2, 1), (2, 3, 77), (1, 2, 5), (1, 1, 257))
 """(batch, heads, seq) of the edge shapes every candidate is gated on besides the space's
 shapes: one token, S not a multiple of any tile, S smaller than one tile."""
+EDGE_GQA = ((1, 4, 1, 1), (2, 8, 2, 77), (1, 4, 1, 257))
+"""(batch, heads, K/V heads, seq) of the grouped-query edge shapes, gated on besides
+``EDGE_SEQS`` when a variant's shapes include grouped-query attention."""
 HANDLER = "evoengineer.gpu.evaluate:handle"
 
 
@@ -67,9 +70,14 @@ class EvalResult:
 
 
 def gate_cases(space: Space, variant: Variant) -> list[Case]:
-    """The space's shapes of this variant plus the edge shapes."""
+    """The space's shapes of this variant plus the edge shapes (and grouped-query edge
+    shapes when the variant's shapes have fewer K/V heads than query heads)."""
     cases = [c for c in space.cases if c.variant == variant]
-    cases += [Case(b, h, s, variant.head_dim, variant.causal) for b, h, s in EDGE_SEQS]
+    gqa = any(c.heads_kv != c.heads for c in cases)
+    d, causal, dtype = variant.head_dim, variant.causal, variant.dtype
+    cases += [Case(b, h, s, d, causal, dtype=dtype) for b, h, s in EDGE_SEQS]
+    if gqa:
+        cases += [Case(b, h, s, d, causal, heads_kv=kv, dtype=dtype) for b, h, kv, s in EDGE_GQA]
     return list(dict.fromkeys(cases))
 
 
@@ -130,18 +138,27 @@ def _sync(stream: Any = None) -> None:
 
 
 def _random_inputs(case: Case, seed: int) -> tuple[Any, Any, Any]:
+    """q (B, H, S, D), k and v (B, H_kv, S, D), standard normal in the case's dtype."""
     import torch
 
+    from .launch import torch_dtype
+
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    shape = (case.batch, case.heads, case.seq, case.head_dim)
-    return tuple(torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16) for _ in range(3))  # type: ignore[return-value]
+    dtype = torch_dtype(case.dtype)
+    shapes = [(case.batch, heads, case.seq, case.head_dim) for heads in (case.heads, case.heads_kv, case.heads_kv)]
+    return tuple(torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for shape in shapes)  # type: ignore[return-value]
 
 
 def reference(q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> Any:
-    """SDPA in fp32 on the same inputs."""
+    """SDPA in fp32 on the same inputs; k and v with fewer heads than q are repeated per
+    group of query heads (what ``enable_gqa=True`` means)."""
     import torch.nn.functional as F
 
-    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, scale=scale)
+    kf, vf = k.float(), v.float()
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q.float(), kf, vf, is_causal=causal, scale=scale)
 
 
 def check_output(out: Any, ref: Any, atol: float, rtol: float) -> tuple[str, float, float]:
@@ -209,7 +226,7 @@ def input_sets(case: Case, flush_l2: bool, seed: int) -> list[tuple[Any, Any, An
 
     from .timing import input_sets_for_cold_l2
 
-    set_bytes = 4 * case.batch * case.heads * case.seq * case.head_dim * 2
+    set_bytes = 2 * (case.heads + case.heads_kv) * case.batch * case.seq * case.head_dim * 2   # q, out, k, v: 16-bit
     sets = []
     for i in range(input_sets_for_cold_l2(set_bytes, flush_l2)):
         q, k, v = _random_inputs(case, seed + 1000 + i)
@@ -271,12 +288,14 @@ def _time_job(launcher: Any, job: dict) -> dict:
 def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> Callable[[], Any]:
     """One call of attention on (B, H, S, D) inputs: an SDPA backend forced (``SDPA_BACKENDS``),
     SDPA as the user calls it with torch's own backend choice (``default``), or a peer
-    library (``fa4``: flash-attn-4's ``flash_attn.cute``, timed on (B, S, H, D) copies)."""
+    library (``fa4``: flash-attn-4's ``flash_attn.cute``, timed on (B, S, H, D) copies).
+    k and v with fewer heads than q: SDPA with ``enable_gqa=True``; flash-attn takes them as they are."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if backend == "default":
-        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
     if backend == "fa4":
         from flash_attn.cute import flash_attn_func
 
@@ -287,7 +306,7 @@ def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | N
 
     def op() -> Any:
         with sdpa_kernel([chosen]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
 
     return op
 
@@ -427,10 +446,11 @@ class Evaluator:
         if report.status != "compiled":
             return EvalResult(**base, status="compile_failed", reason=report.error, resources=resources)
         cases: list[dict] = []
-        common = {"key": config.key(), "seed": self.seed, "scale": space.scale, "atol": space.atol, "rtol": space.rtol}
+        common = {"key": config.key(), "seed": self.seed, "scale": space.scale}
         for variant in space.variants:
             build = report.build(variant)
             job = {"kind": "gate", "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, **common,
+                   **_tolerance(space, variant.dtype),
                    "cases": [(c, self.gate_trials if c in space.cases else 1) for c in gate_cases(space, variant)]}
             answer = self._run(job, space.timing.timeout_s)
             cases += answer.get("cases", [])
@@ -442,7 +462,7 @@ class Evaluator:
         for case in space.cases:
             build = report.build(case.variant)
             job = {"kind": "time", "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, "case": case,
-                   "timing": self.timing, **common}
+                   "timing": self.timing, **common, **_tolerance(space, case.dtype)}
             answer = self._run(job, space.timing.timeout_s)
             if answer["status"] != "ok":
                 return EvalResult(**base, status=answer["status"], reason=answer.get("reason", ""), resources=resources, cases=cases)
@@ -460,6 +480,11 @@ class Evaluator:
             answer = self._run(job, max(60.0, self.space.timing.timeout_s * len(backends) * 3))
             out[case.label()] = answer.get("backends", {b: {"status": answer["status"], "reason": answer.get("reason", "")} for b in backends})
         return out
+
+
+def _tolerance(space: Space, dtype: str) -> dict[str, float]:
+    atol, rtol = space.tolerance(dtype)
+    return {"atol": atol, "rtol": rtol}
 
 
 def fastest_sdpa(baseline: dict[str, dict]) -> dict[str, tuple[str, float]]:
@@ -485,7 +510,7 @@ def retime(evaluator: Evaluator, reports: Sequence[StaticReport], rounds: int = 
     samples: dict[str, dict[str, list[float]]] = {r.config.key(): {} for r in reports}
     sdpa_samples: dict[str, dict[str, list[float]]] = {}
     failures: dict[str, str] = {}
-    common = {"seed": evaluator.seed, "scale": space.scale, "atol": space.atol, "rtol": space.rtol}
+    common = {"seed": evaluator.seed, "scale": space.scale}
     for _ in range(rounds):
         for case in space.cases:
             for report in reports:
@@ -494,7 +519,7 @@ def retime(evaluator: Evaluator, reports: Sequence[StaticReport], rounds: int = 
                     continue
                 build = report.build(case.variant)
                 job = {"kind": "time", "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, "case": case,
-                       "timing": timing, "key": key, **common}
+                       "timing": timing, "key": key, **common, **_tolerance(space, case.dtype)}
                 answer = evaluator._run(job, space.timing.timeout_s * 2)
                 if answer["status"] != "ok":
                     failures[key] = answer.get("reason", answer["status"])

@@ -41,13 +41,13 @@ class AttentionKernel:
         self._workspace: Any = None
 
     def check(self, q: Any, k: Any, v: Any, out: Any) -> None:
-        """Raise LaunchError unless the tensors fit this kernel."""
-        import torch
-
+        """Raise LaunchError unless the tensors fit this kernel: q and out (B, H, S_q, D), k and v
+        (B, H_kv, S_k, D) with H_kv dividing H, all of the variant's dtype."""
         variant = self.rendered.variant
+        want = torch_dtype(variant.dtype)
         for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-            if t.dtype != torch.float16:
-                raise LaunchError(f"{name}: expected float16, got {t.dtype}")
+            if t.dtype != want:
+                raise LaunchError(f"{name}: expected {str(want).replace('torch.', '')}, got {t.dtype}")
             if not t.is_cuda:
                 raise LaunchError(f"{name}: expected a CUDA tensor, got device {t.device}")
             if t.dim() != 4:
@@ -58,13 +58,16 @@ class AttentionKernel:
                 raise LaunchError(f"{name}: the last dimension must be contiguous (stride 1), got stride {t.stride(-1)}")
             if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
                 raise LaunchError(f"{name}: needs a 16-byte aligned base and strides that are multiples of 8 elements")
-        if q.shape[:2] != k.shape[:2] or k.shape != v.shape or out.shape != q.shape:
-            raise LaunchError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)}")
+        if (q.shape[0] != k.shape[0] or k.shape[1] < 1 or q.shape[1] % k.shape[1] or k.shape != v.shape
+                or out.shape != q.shape):
+            raise LaunchError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)} "
+                              "(k and v: the batch of q and a number of heads that divides q's)")
         if len({t.device for t in (q, k, v, out)}) != 1:
             raise LaunchError("q, k, v and out must be on one device")
 
     def __call__(self, q: Any, k: Any, v: Any, out: Any, scale: float | None = None, *, checked: bool = True) -> Any:
-        """Run attention(q, k, v) into ``out`` on torch's current stream; returns ``out``."""
+        """Run attention(q, k, v) into ``out`` on torch's current stream; returns ``out``.
+        k and v may have fewer heads than q (grouped-query attention, as SDPA's ``enable_gqa``)."""
         import cupy
         import torch
 
@@ -82,7 +85,7 @@ class AttentionKernel:
         args = (
             cupy.uint64(q.data_ptr()), cupy.uint64(k.data_ptr()), cupy.uint64(v.data_ptr()), cupy.uint64(out.data_ptr()),
             cupy.uint64(ws_ptr),
-            cupy.int32(batch), cupy.int32(heads), cupy.int32(seq_q), cupy.int32(seq_k),
+            cupy.int32(batch), cupy.int32(heads), cupy.int32(k.shape[1]), cupy.int32(seq_q), cupy.int32(seq_k),
             *(cupy.int64(s) for t in (q, k, v, out) for s in t.stride()[:3]),
             cupy.float32(scale * LOG2E),
         )
@@ -90,6 +93,13 @@ class AttentionKernel:
             for launch, fn in zip(self.rendered.launches, self._functions):
                 fn(launch.grid(batch, heads, seq_q), launch.block, args, shared_mem=launch.smem)
         return out
+
+
+def torch_dtype(dtype: str) -> Any:
+    """The torch dtype of a space dtype (``fp16``, ``bf16``)."""
+    import torch
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
 
 
 def cupy_stream(torch_stream: Any) -> Any:

@@ -8,6 +8,9 @@ A template declares its own launches in comment lines of the rendered source::
 Each launch runs over ``grid = (ceil(S_q / rows_per_cta), B * H, grid_z)``; launches
 run in order with the same arguments (a split-K/V kernel followed by its combine
 step, say). Every kernel takes the same argument list, see ``KERNEL_ARGS``.
+
+Templates see the configuration's parameters plus ``HEAD_DIM``, ``CAUSAL`` and ``DTYPE``
+(``'fp16'`` or ``'bf16'``: the element type of Q, K, V and O, a compile-time choice).
 """
 from __future__ import annotations
 
@@ -25,14 +28,17 @@ from ..space import Config, Variant
 
 KERNEL_ARGS = (
     "const half_t* Q, const half_t* K, const half_t* V, half_t* O, float* WS, "
-    "int B, int H, int S_q, int S_k, "
+    "int B, int H, int H_kv, int S_q, int S_k, "
     "long long q_sb, long long q_sh, long long q_ss, "
     "long long k_sb, long long k_sh, long long k_ss, "
     "long long v_sb, long long v_sh, long long v_ss, "
     "long long o_sb, long long o_sh, long long o_ss, float scale_log2"
 )
-"""The argument list every attention kernel takes. Strides are in elements; the last
-dimension is contiguous. ``scale_log2`` is the softmax scale times log2(e)."""
+"""The argument list every attention kernel takes. ``half_t`` is the 16-bit element (fp16 or
+bf16 bits, per the variant's dtype). ``H`` counts query heads, ``H_kv`` K/V heads (it divides
+``H``; grouped-query attention reads K/V head ``h / (H / H_kv)`` for query head ``h``). Strides
+are in elements; the last dimension is contiguous. ``scale_log2`` is the softmax scale times
+log2(e)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,7 @@ class Rendered:
         return {
             "template": self.template,
             "config": self.config.to_dict(),
-            "variant": {"head_dim": self.variant.head_dim, "causal": self.variant.causal},
+            "variant": {"head_dim": self.variant.head_dim, "causal": self.variant.causal, "dtype": self.variant.dtype},
             "launches": [
                 {"kernel": l.kernel, "block": list(l.block), "smem": l.smem, "rows_per_cta": l.rows_per_cta, "grid_z": l.grid_z}
                 for l in self.launches
@@ -108,12 +114,14 @@ def render(template: str, config: Config, variant: Variant, directory: str | Pat
         tmpl = env.get_template(f"{template}.cu.j2")
     except jinja2.TemplateNotFound as exc:
         raise RenderError(f"no template {template!r} in {where} (have: {', '.join(template_names(where))})") from exc
-    header = f"// evoengineer: template={template} {config.label()} HEAD_DIM={variant.head_dim} CAUSAL={int(variant.causal)}\n"
+    dtype = "" if variant.dtype == "fp16" else f" DTYPE={variant.dtype}"
+    header = f"// evoengineer: template={template} {config.label()} HEAD_DIM={variant.head_dim} CAUSAL={int(variant.causal)}{dtype}\n"
     try:
         body = tmpl.render(
             **config.to_dict(),
             HEAD_DIM=variant.head_dim,
             CAUSAL=variant.causal,
+            DTYPE=variant.dtype,
             KERNEL_ARGS=KERNEL_ARGS,
             CONFIG_LABEL=config.label(),
         )

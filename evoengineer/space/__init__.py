@@ -2,13 +2,16 @@
 
 ``load_space`` reads and validates a space; ``Space`` enumerates its valid
 configurations, each a hashable ``Config``; ``Case`` and ``Variant`` describe the
-problem shapes and the compile-time variants (head dim, causal) a kernel is built for.
+problem shapes (with K/V heads for grouped-query attention) and the compile-time
+variants (head dim, causal, dtype) a kernel is built for.
 """
 from __future__ import annotations
 
 from .config import Config, ParamValue
 from .expressions import ExpressionError, SafeExpression, parse_expression
 from .model import (
+    DEFAULT_TOLERANCES,
+    DTYPES,
     STRATEGIES,
     Case,
     Constraint,
@@ -27,7 +30,7 @@ from .model import (
 )
 
 __all__ = [
-    "STRATEGIES", "Case", "Config", "Constraint", "ExpressionError", "Param", "ParamValue", "SafeExpression",
+    "DEFAULT_TOLERANCES", "DTYPES", "STRATEGIES", "Case", "Config", "Constraint", "ExpressionError", "Param", "ParamValue", "SafeExpression",
     "SearchSettings", "Space", "SpaceError", "Target", "Timing", "Variant", "load_space", "parse_duration",
     "parse_expression", "parse_shape", "parse_space", "resolve_space_path",
 ]

@@ -23,6 +23,15 @@ from .config import Config, ParamValue
 from .expressions import ExpressionError, SafeExpression, parse_expression
 
 STRATEGIES = ("evo", "tpe", "random", "grid")
+DTYPES = ("fp16", "bf16")
+"""Element types of Q, K, V and O; softmax and accumulation are fp32 in every kernel."""
+DEFAULT_TOLERANCES = {"fp16": (2e-2, 2e-2), "bf16": (3e-2, 3e-2)}
+"""(atol, rtol) of the gate per dtype when the space names none. bf16 keeps 8 bits of
+mantissa against fp16's 11: on the gate's shapes an fp32-accumulating kernel that rounds P
+and O to bf16 (FlashAttention, these kernels, torch's bf16 SDPA on the CPU) misses the fp32
+reference by up to ~0.003 + 0.003 * |ref|, one that also rounds the scores to bf16 (SDPA's
+math backend) by up to ~0.013 + 0.013 * |ref|; 0.03 passes both with a margin, as 0.02 does
+fp16's ~0.0004."""
 
 
 class SpaceError(ValueError):
@@ -39,9 +48,11 @@ class Variant:
 
     head_dim: int
     causal: bool
+    dtype: str = "fp16"
 
     def label(self) -> str:
-        return f"D{self.head_dim}{'-causal' if self.causal else ''}"
+        """``D64``, ``D64-causal``; bf16 adds ``-bf16`` (fp16 labels predate the dtype)."""
+        return f"D{self.head_dim}{'-causal' if self.causal else ''}{'' if self.dtype == 'fp16' else '-' + self.dtype}"
 
 
 @dataclass(frozen=True)
@@ -58,20 +69,34 @@ class Target:
 
 @dataclass(frozen=True)
 class Case:
-    """One problem instance: batch, heads, sequence length, head dim, causal."""
+    """One problem instance: batch, query heads, sequence length, head dim, causal, K/V heads
+    (grouped-query attention when fewer than ``heads``; ``None`` means ``heads``), dtype."""
 
     batch: int
     heads: int
     seq: int
     head_dim: int
     causal: bool
+    heads_kv: int | None = None
+    dtype: str = "fp16"
+
+    def __post_init__(self) -> None:
+        if self.heads_kv is None:
+            object.__setattr__(self, "heads_kv", self.heads)
+        if self.heads_kv < 1 or self.heads % self.heads_kv:
+            raise ValueError(f"K/V heads {self.heads_kv} must divide the query heads {self.heads}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
     @property
     def variant(self) -> Variant:
-        return Variant(self.head_dim, self.causal)
+        return Variant(self.head_dim, self.causal, self.dtype)
 
     def label(self) -> str:
-        return f"B{self.batch} H{self.heads} S{self.seq} D{self.head_dim}{' causal' if self.causal else ''}"
+        """``B1 H8 S512 D64 causal``; GQA shows the K/V heads (``H32/8``), bf16 adds `` bf16``."""
+        heads = f"{self.heads}" if self.heads_kv == self.heads else f"{self.heads}/{self.heads_kv}"
+        return (f"B{self.batch} H{heads} S{self.seq} D{self.head_dim}{' causal' if self.causal else ''}"
+                f"{'' if self.dtype == 'fp16' else ' ' + self.dtype}")
 
     def flops(self) -> float:
         """Matmul FLOPs of the forward pass (QK^T and PV), halved for causal."""
@@ -134,7 +159,7 @@ class Space:
     description: str
     target: Target
     cases: tuple[Case, ...]
-    dtype: str
+    dtypes: tuple[str, ...]
     scale: float | None
     template: str
     params: tuple[Param, ...]
@@ -144,8 +169,17 @@ class Space:
     timing: Timing
     search: SearchSettings
     raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    dtype_tolerances: tuple[tuple[str, float, float], ...] = ()
+    """(dtype, atol, rtol) of dtypes whose tolerance differs from ``atol``/``rtol``."""
 
     # -- derived ---------------------------------------------------------------
+    def tolerance(self, dtype: str) -> tuple[float, float]:
+        """(atol, rtol) of the gate for cases of ``dtype``."""
+        for name, atol, rtol in self.dtype_tolerances:
+            if name == dtype:
+                return atol, rtol
+        return self.atol, self.rtol
+
     @property
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
@@ -236,8 +270,8 @@ _TOP_KEYS = ("name", "description", "target", "problem", "template", "params", "
 _REQUIRED_TOP = ("target", "problem", "template", "params")
 _TARGET_KEYS = ("name", "arch", "sms", "smem_per_block")
 _PROBLEM_KEYS = ("kind", "dtype", "scale", "shapes")
-_SHAPE_KEYS = ("B", "H", "S", "D", "causal")
-_TOL_KEYS = ("atol", "rtol")
+_SHAPE_KEYS = ("B", "H", "H_KV", "S", "D", "causal")
+_TOL_KEYS = ("atol", "rtol", *DTYPES)
 _TIMING_KEYS = ("warmup", "repetitions", "flush_l2", "timeout_s", "min_time_ms")
 _SEARCH_KEYS = ("strategy", "budget", "time", "top_k", "population", "seeds")
 _SUPPORTED_HEAD_DIMS = (64, 128)
@@ -312,13 +346,13 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
     kind = v.string(pr.get("kind", "attention"), "problem.kind")
     if kind != "attention":
         v.fail("problem.kind", f"only 'attention' is supported, got {kind!r}")
-    dtype = v.string(pr.get("dtype", "fp16"), "problem.dtype")
-    if dtype != "fp16":
-        v.fail("problem.dtype", f"only 'fp16' is supported, got {dtype!r}")
+    dtypes = _parse_dtypes(v, pr.get("dtype", "fp16"))
+    if "bf16" in dtypes and target.arch_number < 80:
+        v.fail("problem.dtype", f"bf16 needs target.arch sm_80 or newer, got {arch}")
     scale = pr.get("scale")
     if scale is not None:
         scale = v.number(scale, "problem.scale", positive=True)
-    cases = _parse_shapes(v, pr["shapes"])
+    cases = _parse_shapes(v, pr["shapes"], dtypes)
 
     template = v.string(root["template"], "template")
     if template not in template_names():
@@ -329,9 +363,7 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
     known = {p.name for p in params} | space_env_names
     constraints = _parse_constraints(v, root.get("constraints", []), known)
 
-    tol = v.mapping(root.get("tolerances", {}), "tolerances", _TOL_KEYS)
-    atol = v.number(tol.get("atol", 2e-2), "tolerances.atol", positive=True)
-    rtol = v.number(tol.get("rtol", 2e-2), "tolerances.rtol", positive=True)
+    atol, rtol, dtype_tolerances = _parse_tolerances(v, root.get("tolerances", {}))
 
     tm = v.mapping(root.get("timing", {}), "timing", _TIMING_KEYS)
     timing = Timing(
@@ -348,7 +380,7 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
         description=description,
         target=target,
         cases=cases,
-        dtype=dtype,
+        dtypes=dtypes,
         scale=scale,
         template=template,
         params=params,
@@ -358,6 +390,7 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
         timing=timing,
         search=SearchSettings(),
         raw=root,
+        dtype_tolerances=dtype_tolerances,
     )
     se = v.mapping(root.get("search", {}), "search", _SEARCH_KEYS)
     strategy = v.string(se.get("strategy", "evo"), "search.strategy")
@@ -381,7 +414,35 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
     return Space(**{**space.__dict__, "search": settings})
 
 
-def _parse_shapes(v: "_Validator", raw: Any) -> tuple[Case, ...]:
+def _parse_dtypes(v: "_Validator", raw: Any) -> tuple[str, ...]:
+    """``fp16``, ``bf16`` or a non-empty list of them."""
+    items = raw if isinstance(raw, list) else [raw]
+    if not items:
+        v.fail("problem.dtype", f"expected one of {', '.join(DTYPES)} or a non-empty list of them, got []")
+    for item in items:
+        if item not in DTYPES:
+            v.fail("problem.dtype", f"expected one of {', '.join(DTYPES)} or a list of them, got {item!r}{_hint(str(item), DTYPES)}")
+    if len(set(items)) != len(items):
+        v.fail("problem.dtype", f"values repeat: {items!r}")
+    return tuple(items)
+
+
+def _parse_tolerances(v: "_Validator", raw: Any) -> tuple[float, float, tuple[tuple[str, float, float], ...]]:
+    """Top-level ``atol``/``rtol`` (fp16, and every dtype without its own entry, when given)
+    and per-dtype ``{bf16: {atol, rtol}}`` entries; what is left out takes the dtype's default."""
+    tol = v.mapping(raw, "tolerances", _TOL_KEYS)
+    top = {name: v.number(tol[name], f"tolerances.{name}", positive=True) for name in ("atol", "rtol") if name in tol}
+    per: dict[str, tuple[float, float]] = {}
+    for dtype in DTYPES:
+        own = v.mapping(tol.get(dtype, {}), f"tolerances.{dtype}", ("atol", "rtol"))
+        merged = dict(zip(("atol", "rtol"), DEFAULT_TOLERANCES[dtype])) | top
+        merged |= {name: v.number(own[name], f"tolerances.{dtype}.{name}", positive=True) for name in ("atol", "rtol") if name in own}
+        per[dtype] = (merged["atol"], merged["rtol"])
+    atol, rtol = per["fp16"]
+    return atol, rtol, tuple((d, *per[d]) for d in DTYPES if per[d] != (atol, rtol))
+
+
+def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",)) -> tuple[Case, ...]:
     items = v.sequence(raw, "problem.shapes", non_empty=True)
     cases: list[Case] = []
     for i, item in enumerate(items):
@@ -390,20 +451,27 @@ def _parse_shapes(v: "_Validator", raw: Any) -> tuple[Case, ...]:
         d = v.integer(s["D"], f"{key}.D", minimum=1)
         if d not in _SUPPORTED_HEAD_DIMS:
             v.fail(f"{key}.D", f"head dim must be one of {list(_SUPPORTED_HEAD_DIMS)}, got {d}")
+        heads = v.integer(s["H"], f"{key}.H", minimum=1)
+        heads_kv = v.integer(s.get("H_KV", heads), f"{key}.H_KV", minimum=1)
+        if heads % heads_kv:
+            v.fail(f"{key}.H_KV", f"K/V heads must divide the query heads H={heads}, got {heads_kv}")
         causal_raw = s.get("causal", False)
         flags = causal_raw if isinstance(causal_raw, list) else [causal_raw]
         if not flags:
             v.fail(f"{key}.causal", "expected true, false or a non-empty list of them")
-        for flag in flags:
-            cases.append(
-                Case(
-                    batch=v.integer(s["B"], f"{key}.B", minimum=1),
-                    heads=v.integer(s["H"], f"{key}.H", minimum=1),
-                    seq=v.integer(s["S"], f"{key}.S", minimum=1),
-                    head_dim=d,
-                    causal=v.boolean(flag, f"{key}.causal"),
+        for dtype in dtypes:
+            for flag in flags:
+                cases.append(
+                    Case(
+                        batch=v.integer(s["B"], f"{key}.B", minimum=1),
+                        heads=heads,
+                        seq=v.integer(s["S"], f"{key}.S", minimum=1),
+                        head_dim=d,
+                        causal=v.boolean(flag, f"{key}.causal"),
+                        heads_kv=heads_kv,
+                        dtype=dtype,
+                    )
                 )
-            )
     return tuple(dict.fromkeys(cases))
 
 
