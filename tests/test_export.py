@@ -107,8 +107,8 @@ def test_export_writes_one_kernel_per_distinct_configuration_and_variant(exporte
     for kernel in info["kernels"]:
         assert (root / "out" / kernel["source"]).read_text() == module.KERNELS[
             (kernel["dtype"], kernel["head_dim"], kernel["causal"], kernel["config"])]["source"]
-        assert kernel["args"][:9] == ["Q", "K", "V", "O", "WS", "B", "H", "S_q", "S_k"] and "gqa" not in kernel["features"]
-    assert module.GQA is False
+        assert kernel["args"][:10] == ["Q", "K", "V", "O", "WS", "B", "H", "H_kv", "S_q", "S_k"] and "gqa" in kernel["features"]
+    assert module.GQA is True
 
 
 def test_two_runs_combine_and_runs_of_other_gpus_are_refused(tmp_path: Path) -> None:
@@ -258,8 +258,6 @@ BAD_INPUTS = {
                                "q has 4 heads and k, v have 2; pass enable_gqa=True"),
     "heads not a multiple": ((_cpu(1, 4, 8, 64), _cpu(1, 3, 8, 64), _cpu(1, 3, 8, 64)), {"enable_gqa": True}, ValueError,
                              r"q's heads \(4\) must be a multiple of k and v's heads \(3\)"),
-    "gqa without kernel support": ((_cpu(1, 4, 8, 64), _cpu(1, 2, 8, 64), _cpu(1, 2, 8, 64)), {"enable_gqa": True}, ValueError,
-                                   "kernels take no K/V head count"),
     "k and v differ": ((_cpu(1, 2, 8, 64), _cpu(1, 2, 8, 64), _cpu(1, 2, 9, 64)), {}, ValueError, "shapes do not match"),
     "scale not positive": ((_cpu(1, 2, 8, 64),) * 3, {"scale": 0.0}, ValueError, "scale must be positive"),
 }
