@@ -252,8 +252,11 @@ def test_exported_module_runs_bf16_and_gqa(tmp_path) -> None:
         for causal in (False, True):
             q = torch.randn(2, 8, 333, 64, device="cuda", dtype=dtype)
             k, v = (torch.randn(2, 2, 333, 64, device="cuda", dtype=dtype) for _ in range(2))
-            got = attention(q, k, v, is_causal=causal)
+            got = attention(q, k, v, is_causal=causal, enable_gqa=True)
             assert got.dtype == dtype
             torch.testing.assert_close(got.float(), _reference(q, k, v, causal), atol=atol, rtol=rtol)
-    with pytest.raises(ValueError, match="divides"):
-        attention(q, k[:, :1].expand(2, 3, 333, 64).contiguous(), v[:, :1].expand(2, 3, 333, 64).contiguous())
+    with pytest.raises(ValueError, match="pass enable_gqa=True"):
+        attention(q, k, v)
+    with pytest.raises(ValueError, match=r"must be a multiple of k and v's heads \(3\)"):
+        attention(q, k[:, :1].expand(2, 3, 333, 64).contiguous(), v[:, :1].expand(2, 3, 333, 64).contiguous(),
+                  enable_gqa=True)
