@@ -7,11 +7,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .common import EXIT_OK, UsageError, run_path
+from .common import EXIT_OK, WIDE_HELP, UsageError, run_path
 
 
 def cmd_leaderboard(args: argparse.Namespace) -> int:
-    from ..results import leaderboard_csv, leaderboard_table, load_leaderboard
+    from ..results import leaderboard_csv, leaderboard_grid, load_leaderboard, print_grid
 
     board = load_leaderboard(run_path(args.run), args.top)
     if args.json:
@@ -19,7 +19,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     elif args.csv:
         print(leaderboard_csv(board), end="")
     else:
-        Console(highlight=False).print(leaderboard_table(board))
+        print_grid(Console(highlight=False), leaderboard_grid(board), wide=args.wide)
     return EXIT_OK
 
 
@@ -59,6 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true")
     fmt.add_argument("--csv", action="store_true")
+    fmt.add_argument("--wide", action="store_true", help=WIDE_HELP)
     p.set_defaults(func=cmd_leaderboard)
 
     p = sub.add_parser("plot", help="plot a run: each evaluation, the best so far, SDPA lines (PNG)")

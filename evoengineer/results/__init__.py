@@ -1,8 +1,23 @@
-"""What a run leaves for people: the re-timed leaderboard, the exported kernel, plots."""
+"""What a run leaves for people: the re-timed leaderboard, the exported kernel, plots, the
+tables every command prints."""
 from __future__ import annotations
 
 from .export import MODULE_NAME, export_entry
-from .leaderboard import LEADERBOARD, build_leaderboard, leaderboard_csv, leaderboard_table, load_leaderboard
+from .leaderboard import LEADERBOARD, build_leaderboard, leaderboard_csv, load_leaderboard
+from .tables import (
+    Column,
+    Grid,
+    baseline_grid,
+    bench_grid,
+    check_grid,
+    grid_html,
+    leaderboard_grid,
+    print_grid,
+    runs_grid,
+    search_summary_grid,
+    spaces_grid,
+)
 
-__all__ = ["LEADERBOARD", "MODULE_NAME", "build_leaderboard", "export_entry", "leaderboard_csv",
-           "leaderboard_table", "load_leaderboard"]
+__all__ = ["LEADERBOARD", "MODULE_NAME", "Column", "Grid", "baseline_grid", "bench_grid", "build_leaderboard",
+           "check_grid", "export_entry", "grid_html", "leaderboard_csv", "leaderboard_grid", "load_leaderboard",
+           "print_grid", "runs_grid", "search_summary_grid", "spaces_grid"]
