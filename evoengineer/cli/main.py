@@ -19,6 +19,7 @@ typical session:
   evoengineer bench --space h100 --config PATH=wmma,BLOCK_M=64,BLOCK_N=64,WARPS=4,VEC=8
   evoengineer search --space h100 --time 10m       # the search (GPU)
   evoengineer leaderboard runs/<run>               # the ranked finalists
+  evoengineer report runs/<run>                    # one HTML page: progress, importances, per shape
   evoengineer export runs/<run> --rank 1 --out best/
 
 --space takes a YAML path or a built-in name (l4, h100); spaces/NAME.yaml falls

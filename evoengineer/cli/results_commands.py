@@ -1,4 +1,4 @@
-"""Commands over a finished run: ``leaderboard``, ``export``, ``plot``."""
+"""Commands over a finished run: ``leaderboard``, ``export``, ``plot``, ``report``."""
 from __future__ import annotations
 
 import argparse
@@ -52,6 +52,19 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("the report draws its figures with matplotlib: pip install 'evoengineer[plot]'") from None
+    from ..results import write_report
+
+    run = run_path(args.run)
+    out = write_report(run, Path(args.out) if args.out else None)
+    Console(highlight=False, soft_wrap=True).print(f"wrote {out}")  # a path stays on one line
+    return EXIT_OK
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("leaderboard", help="the ranked finalists of a run, with SDPA rows")
     p.add_argument("run", help="a run directory (runs/<run>)")
@@ -66,6 +79,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", help="a run directory (runs/<run>)")
     p.add_argument("--out", help="PNG path (default runs/<run>/progress.png)")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("report", help="one self-contained HTML page about a run (figures embedded)",
+                       description="Write one HTML file with the run's best so far over evaluations and over time, every "
+                       "evaluation by path and status, parameter importances from its Optuna study, the re-timed "
+                       "leaderboard against each SDPA backend, the fastest configuration per shape and the environment. "
+                       "Figures are embedded PNGs; the file needs nothing else. Needs matplotlib (evoengineer[plot]).")
+    p.add_argument("run", help="a run directory (runs/<run>)")
+    p.add_argument("--out", help="HTML path (default runs/<run>/report.html)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("export", help="write a drop-in kernel: source, launch metadata, a Python module")
     p.add_argument("run", help="a run directory (runs/<run>)")

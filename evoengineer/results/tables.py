@@ -96,7 +96,7 @@ def print_grid(console: Console, grid: Grid, wide: bool = False) -> None:
 def grid_html(grid: Grid, css_class: str = "grid") -> str:
     """The wide form as an HTML table (for the report)."""
     shown = grid.shown(wide=True)
-    out = [f'<table class="{css_class}">']
+    out = [f'<div class="{css_class}-scroll"><table class="{css_class}">']
     if grid.title:
         out.append(f"<caption>{html.escape(grid.title)}</caption>")
     out.append("<thead><tr>" + "".join(f'<th class="{"l" if grid.columns[i].left else "r"}">{html.escape(grid.columns[i].header)}</th>'
@@ -108,7 +108,7 @@ def grid_html(grid: Grid, css_class: str = "grid") -> str:
             text = cells[i].plain if isinstance(cells[i], Text) else cells[i]
             tds.append(f'<td class="{"l" if grid.columns[i].left else "r"}">{html.escape(text).replace(chr(10), "<br>")}</td>')
         out.append(f"<tr{row_class}>" + "".join(tds) + "</tr>")
-    out.append("</tbody></table>")
+    out.append("</tbody></table></div>")
     if grid.caption:
         out.append(f'<p class="note">{html.escape(grid.caption)}</p>')
     return "\n".join(out)

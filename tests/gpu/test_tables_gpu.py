@@ -1,4 +1,5 @@
-"""The GPU commands' tables as a log sees them (80 columns): nothing cut, every figure there."""
+"""The GPU commands' tables as a log sees them (80 columns): nothing cut, every figure there;
+the report of a GPU run has a winner per shape."""
 from __future__ import annotations
 
 import json
@@ -75,3 +76,15 @@ def test_baseline_bench_and_search_tables_fit_80_columns(tmp_path: Path) -> None
     for e in board["entries"]:
         assert any(Config(e["config"]).short_label() in line and f"{e['geomean_us']:.2f}" in line and f"{e['tflops']:.1f}" in line
                    for line in done.stdout.splitlines())
+
+    # the report of the same run: per-shape winners against the SDPA backends timed on this GPU
+    pytest.importorskip("matplotlib", reason="the report needs matplotlib (pip install 'evoengineer[plot]')")
+    made = cli("report", str(run), cwd=tmp_path)
+    assert made.returncode == 0, made.stdout + made.stderr
+    text = (run / "report.html").read_text()
+    shapes = text[text.index('<section id="shapes">'):]
+    shapes = shapes[:shapes.index("</section>")]
+    baseline = json.loads((run / "baseline.json").read_text())
+    assert "no per-shape timings" not in shapes
+    for label in baseline:
+        assert f'<td class="l">{label}</td>' in shapes
