@@ -134,18 +134,18 @@ def test_search_runs_and_leaderboard_commands_fit_80_columns(tmp_path: Path) -> 
     """A replayed search on the recorded H100 space, as a log sees it (rich falls back to 80 columns)."""
     run = tmp_path / "runs" / "20250301-101500-replay_small-3f9a1c"
     done = _cli("search", "--space", str(DATA / "replay_small_space.yaml"), "--replay", str(DATA / "replay_small_h100.jsonl"),
-                "--strategy", "random", "--trials", "40", "--top-k", "5", "--run-dir", str(run), "--quiet", cwd=tmp_path)
+                "--strategy", "random", "--trials", "20", "--top-k", "5", "--run-dir", str(run), "--quiet", cwd=tmp_path)
     assert done.returncode == 0, done.stderr + done.stdout
     board = json.loads((run / "leaderboard.json").read_text())
     assert len(board["entries"]) == 5
     rows = [[str(e["rank"]), Config(e["config"]).short_label(), f"{e['geomean_us']:.2f}"] for e in board["entries"]]
     table_part = done.stdout[done.stdout.index("search summary"):done.stdout.index("run directory:")]
-    assert_fits(table_part, [["evaluations (this session)", "40"], ["ok", "40"], *rows])
+    assert_fits(table_part, [["evaluations (this session)", "20"], ["ok", "20"], *rows])
 
     listed = _cli("runs", cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr
     best = min(json.loads(l)["objective_us"] for l in (run / "results.jsonl").read_text().splitlines())
-    assert_fits(listed.stdout, [[f"runs/{run.name}", "random", "40", "40", f"{best:.2f}", "yes"]])
+    assert_fits(listed.stdout, [[f"runs/{run.name}", "random", "20", "20", f"{best:.2f}", "yes"]])
 
     # the same run with a real H100 leaderboard in it: `leaderboard` as a log sees it, then --wide
     (run / "leaderboard.json").write_text(json.dumps(h100_board()))
@@ -165,15 +165,15 @@ def test_spaces_and_check_fit_80_columns(tmp_path: Path) -> None:
             for s in ("h100", "l4")]
     assert_fits(spaces.stdout, rows)
 
-    compiled = _cli("check", "--space", "h100", "--limit", "3", "--seed", "5", "--json", cwd=tmp_path)
+    compiled = _cli("check", "--space", "h100", "--limit", "2", "--seed", "5", "--json", cwd=tmp_path)
     assert compiled.returncode == 0, compiled.stderr
     configs = json.loads(compiled.stdout)["configs"]
-    checked = _cli("check", "--space", "h100", "--limit", "3", "--seed", "5", "--quiet", cwd=tmp_path)
+    checked = _cli("check", "--space", "h100", "--limit", "2", "--seed", "5", "--quiet", cwd=tmp_path)
     assert checked.returncode == 0, checked.stderr
     table_part = checked.stdout[: checked.stdout.index("space h100:")]
     assert_fits(table_part, [[Config(c["config"]).short_label(), str(c["registers"]), str(c["smem"]), str(c["spill_bytes"])]
                              for c in configs])
-    wide = _cli("check", "--space", "h100", "--limit", "3", "--seed", "5", "--quiet", "--wide", cwd=tmp_path)
+    wide = _cli("check", "--space", "h100", "--limit", "2", "--seed", "5", "--quiet", "--wide", cwd=tmp_path)
     assert all(Config(c["config"]).label() in wide.stdout for c in configs) and "…" not in wide.stdout
 
 
