@@ -264,8 +264,9 @@ def _shapes_section(results: list[dict], baseline: dict) -> str:
     title = "Per-shape winners"
     winners = shape_winners(results)
     if not winners:
-        return _section("shapes", title, _note("The run's records carry no per-shape timings (a replayed search records one "
-                                               "objective per configuration), so there is no winner per shape."))
+        why = ("The run's records carry no per-shape timings (a replayed search records one objective per configuration)"
+               if any(r["status"] == "ok" for r in results) else "No evaluation of this run passed the gate")
+        return _section("shapes", title, _note(f"{why}, so there is no winner per shape."))
     sdpa = fastest_sdpa(baseline)
     grid = Grid("the fastest ok configuration on each shape, from every evaluation of the run",
                 [Column("shape", left=True), Column("config", left=True), Column("µs"), Column("TF/s"), Column("max err"),
