@@ -70,8 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", help="a run directory (runs/<run>)")
     p.add_argument("--top", type=int, help="show the first N")
     fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_true")
-    fmt.add_argument("--csv", action="store_true")
+    fmt.add_argument("--json", action="store_true", help="print the leaderboard as one JSON object (full configurations)")
+    fmt.add_argument("--csv", action="store_true", help="print CSV: one row per entry and per SDPA backend (full configurations)")
     fmt.add_argument("--wide", action="store_true", help=WIDE_HELP)
     p.set_defaults(func=cmd_leaderboard)
 
