@@ -190,7 +190,7 @@ def test_work_on_another_stream_is_rejected() -> None:
     code = """
 import torch
 from test_gate import CASE, gate, load, naive
-from evoengineer.evaluate import _KernelFault, timed_launch_writes_output
+from evoengineer.gpu.evaluate import _KernelFault, timed_launch_writes_output
 kernel, _ = load(naive())
 side = torch.cuda.Stream()
 def sneaky(q, k, v, out, scale):
