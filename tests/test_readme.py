@@ -37,7 +37,9 @@ def pyproject() -> dict:
 
 
 def _name(requirement: str) -> str:
-    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].strip().lower().replace("_", "-")
+    """A distribution's normalised name; CuPy's wheels for CUDA 12 and 13 count as one (README: Install)."""
+    name = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].strip().lower().replace("_", "-")
+    return re.sub(r"^cupy-cuda\d+x$", "cupy", name)
 
 
 def test_quick_start_installs_the_test_extra_and_runs_the_tests() -> None:
