@@ -8,6 +8,8 @@ from typing import Any
 from ..space import Config, Space
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+WIDE_HELP = ("every column, however wide (default: the columns that fit an 80-column terminal, "
+             "or every column when the terminal is wide enough)")
 
 
 class UsageError(Exception):

@@ -20,6 +20,7 @@ typical session:
   evoengineer search --space h100 --time 10m       # the search (GPU)
   evoengineer leaderboard runs/<run>               # the ranked finalists
   evoengineer leaderboard runs/<run> --per-shape   # the fastest config of every case
+  evoengineer report runs/<run>                    # one HTML page: progress, importances, per shape
   evoengineer export runs/<run> --out best/        # a module choosing a config per call
 
 --space takes a YAML path or a built-in name (l4, h100); spaces/NAME.yaml falls

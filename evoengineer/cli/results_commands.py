@@ -1,4 +1,4 @@
-"""Commands over a finished run: ``leaderboard``, ``export``, ``plot``."""
+"""Commands over a finished run: ``leaderboard``, ``export``, ``plot``, ``report``."""
 from __future__ import annotations
 
 import argparse
@@ -7,11 +7,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .common import EXIT_OK, UsageError, run_path
+from .common import EXIT_OK, WIDE_HELP, UsageError, run_path
 
 
 def cmd_leaderboard(args: argparse.Namespace) -> int:
-    from ..results import leaderboard_csv, leaderboard_table, load_leaderboard
+    from ..results import leaderboard_csv, leaderboard_grid, load_leaderboard, print_grid
 
     if args.per_shape:
         return _per_shape(args)
@@ -23,7 +23,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     elif args.csv:
         print(leaderboard_csv(board), end="")
     else:
-        Console(highlight=False).print(leaderboard_table(board))
+        print_grid(Console(highlight=False), leaderboard_grid(board), wide=args.wide)
     return EXIT_OK
 
 
@@ -87,6 +87,19 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("the report draws its figures with matplotlib: pip install 'evoengineer[plot]'") from None
+    from ..results import write_report
+
+    run = run_path(args.run)
+    out = write_report(run, Path(args.out) if args.out else None)
+    Console(highlight=False, soft_wrap=True).print(f"wrote {out}")  # a path stays on one line
+    return EXIT_OK
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("leaderboard", help="the ranked finalists of a run, with SDPA rows")
     p.add_argument("run", nargs="+", help="a run directory (runs/<run>); several with --per-shape")
@@ -94,14 +107,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--per-shape", action="store_true",
                    help="the fastest configuration of every measured case (across the runs given), with SDPA's")
     fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_true")
-    fmt.add_argument("--csv", action="store_true")
+    fmt.add_argument("--json", action="store_true", help="print the leaderboard as one JSON object (full configurations)")
+    fmt.add_argument("--csv", action="store_true", help="print CSV: one row per entry and per SDPA backend (full configurations)")
+    fmt.add_argument("--wide", action="store_true", help=WIDE_HELP)
     p.set_defaults(func=cmd_leaderboard)
 
     p = sub.add_parser("plot", help="plot a run: each evaluation, the best so far, SDPA lines (PNG)")
     p.add_argument("run", help="a run directory (runs/<run>)")
     p.add_argument("--out", help="PNG path (default runs/<run>/progress.png)")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("report", help="one self-contained HTML page about a run (figures embedded)",
+                       description="Write one HTML file with the run's best so far over evaluations and over time, every "
+                       "evaluation by path and status, parameter importances from its Optuna study, the re-timed "
+                       "leaderboard against each SDPA backend, the fastest configuration per shape and the environment. "
+                       "Figures are embedded PNGs; the file needs nothing else. Needs matplotlib (evoengineer[plot]).")
+    p.add_argument("run", help="a run directory (runs/<run>)")
+    p.add_argument("--out", help="HTML path (default runs/<run>/report.html)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("export", help="write a drop-in attention module: sources, launch metadata, dispatch table")
     p.add_argument("run", nargs="+", help="run directories (runs/<run>): per case the fastest configuration of them all")

@@ -9,7 +9,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from ..gpu import EvalResult, fastest_sdpa
 from ..search import (
@@ -23,7 +22,7 @@ from ..search import (
     run_search,
 )
 from ..space import STRATEGIES, Config, Space, parse_duration, parse_shape
-from .common import EXIT_FAILED, EXIT_OK, UsageError, load_space, require_gpu
+from .common import EXIT_FAILED, EXIT_OK, WIDE_HELP, UsageError, load_space, require_gpu
 
 DEFAULT_RUNS = Path("runs")
 
@@ -153,20 +152,11 @@ def cmd_search(args: argparse.Namespace) -> int:
     meta.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), summary=summary)
     run.write_meta(meta)
 
-    table = Table(title="search summary")
-    table.add_column("")
-    table.add_column("", justify="right")
-    table.add_row("evaluations (this session)", str(summary["evaluated"]))
-    table.add_row("evaluations per minute", str(summary["evaluations_per_minute"]))
-    table.add_row("GPU-busy share", f"{summary['gpu_busy_share'] * 100:.0f}%" if summary["gpu_busy_share"] is not None else "-")
-    for status, count in summary["counts"].items():
-        if count:
-            table.add_row(f"  {status}", str(count))
-    console.print(table)
-    from ..results import leaderboard_table
+    from ..results import leaderboard_grid, print_grid, search_summary_grid
 
+    print_grid(console, search_summary_grid(summary), wide=args.wide)
     if board["entries"]:
-        console.print(leaderboard_table(board))
+        print_grid(console, leaderboard_grid(board), wide=args.wide)
     console.print(f"run directory: {run.path}\nleaderboard: evoengineer leaderboard {run.path}\n"
                   f"export: evoengineer export {run.path} --rank 1 --out best/\ndashboard: optuna-dashboard {storage}")
     return EXIT_OK if board["entries"] else EXIT_FAILED
@@ -209,13 +199,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if not rows:
         Console().print(f"no runs under {root}/ (evoengineer search --space SPACE starts one)")
         return EXIT_OK
-    table = Table(title=f"runs under {root}/")
-    for col in ("run", "space", "strategy", "gpu", "evaluations", "ok", "best µs", "finished"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["run"], str(r["space"]), str(r["strategy"]), str(r["gpu"]), str(r["evaluations"]), str(r["ok"]),
-                      f"{r['best_us']:.2f}" if r["best_us"] else "-", "yes" if r["finished"] else "no")
-    Console().print(table)
+    from ..results import print_grid, runs_grid
+
+    print_grid(Console(highlight=False), runs_grid(str(root), rows), wide=args.wide)
     return EXIT_OK
 
 
@@ -252,11 +238,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replay", help="answer from a recorded results file instead of a GPU (no compile, no GPU)")
     p.add_argument("--replay-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--wide", action="store_true", help=WIDE_HELP)
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("runs", help="list search runs")
     p.add_argument("--root", default=str(DEFAULT_RUNS), help="where runs live (default runs/)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--wide", action="store_true", help=WIDE_HELP)
     p.set_defaults(func=cmd_runs)
 
 

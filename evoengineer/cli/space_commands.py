@@ -8,9 +8,8 @@ import random
 import time
 
 from rich.console import Console
-from rich.table import Table
 
-from .common import EXIT_FAILED, EXIT_OK, UsageError, load_space
+from .common import EXIT_FAILED, EXIT_OK, WIDE_HELP, UsageError, load_space
 
 
 def _console(args: argparse.Namespace | None = None) -> Console:
@@ -65,15 +64,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"summary": summary, "configs": [r.to_json() for r in reports]}, indent=None))
     else:
+        from ..results import check_grid, print_grid
+
         out = Console(highlight=False)
-        table = Table(title=f"{space.name}: {len(reports)} configurations for {arch} ({', '.join(summary['variants'])})")
-        for col in ("config", "regs", "smem B", "spills B", "compile ms", "status"):
-            table.add_column(col, justify="left" if col in ("config", "status") else "right")
         shown = reports if args.all or len(reports) <= 40 else failed + [r for r in reports if r.spilling] + [r for r in reports if r.status == "compiled" and not r.spilling][:20]
-        for r in shown:
-            status = "[red]" + r.error[:80] + "[/]" if r.status != "compiled" else ("[yellow]spills[/]" if r.spilling else "ok")
-            table.add_row(r.config.label(), str(r.registers), str(r.smem), str(r.spill_bytes), f"{r.compile_ms:.0f}", status)
-        out.print(table)
+        title = f"{space.name}: {len(reports)} configurations for {arch} ({', '.join(summary['variants'])})"
+        print_grid(out, check_grid(title, shown), wide=args.wide)
         if len(shown) < len(reports):
             out.print(f"({len(reports) - len(shown)} more compiled without spills; --all lists every row, --json gives all)")
         out.print(
@@ -98,12 +94,9 @@ def cmd_spaces(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
         return EXIT_OK
-    table = Table(title="built-in search spaces")
-    for col in ("name", "target", "arch", "cases", "total", "valid"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(*(str(r[c]) for c in ("name", "target", "arch", "cases", "total", "valid")))
-    Console().print(table)
+    from ..results import print_grid, spaces_grid
+
+    print_grid(Console(highlight=False), spaces_grid(rows), wide=args.wide)
     return EXIT_OK
 
 
@@ -120,8 +113,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object {summary, configs} instead of tables")
     p.add_argument("--all", action="store_true", help="list every configuration in the table")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--wide", action="store_true", help=WIDE_HELP)
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("spaces", help="list the built-in search spaces and their sizes")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--wide", action="store_true", help=WIDE_HELP)
     p.set_defaults(func=cmd_spaces)

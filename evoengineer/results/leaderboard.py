@@ -6,10 +6,9 @@ import io
 import json
 from pathlib import Path
 
-from rich.table import Table
-
 from ..gpu import SDPA_BACKENDS
 from ..search import RunDir, best_results, geomean
+from ..space import Config
 
 LEADERBOARD = "leaderboard.json"
 
@@ -94,23 +93,6 @@ def load_leaderboard(run_path: Path, top: int | None = None) -> dict:
     return board
 
 
-def leaderboard_table(board: dict, title: str = "") -> Table:
-    table = Table(title=title or f"leaderboard on {board['gpu']}" + ("" if board["retimed"] else " (not re-timed)"))
-    for col in ("rank", "config", "µs (geomean)", "spread", "TF/s", *(f"× {b}" for b in SDPA_BACKENDS), "regs", "smem B", "spills B", "max err"):
-        table.add_column(col, justify="left" if col == "config" else "right")
-    for e in board["entries"]:
-        r = e.get("resources", {})
-        table.add_row(
-            str(e["rank"]), _short(e["config"]), f"{e['geomean_us']:.2f}", f"{e['spread'] * 100:.1f}%", f"{e['tflops']:.1f}",
-            *(f"{e['speedup'][b]:.2f}" if e["speedup"].get(b) else "-" for b in SDPA_BACKENDS),
-            str(r.get("registers", "-")), str(r.get("smem", "-")), str(r.get("spill_bytes", "-")), f"{e['max_abs_err']:.1e}",
-        )
-    for row in board["sdpa"]:
-        table.add_row("", f"[dim]SDPA {row['backend']}[/]", f"{row['geomean_us']:.2f}", "", f"{row['tflops']:.1f}",
-                      *("" for _ in SDPA_BACKENDS), "", "", "", "")
-    return table
-
-
 def _short(config: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in config.items())
 
@@ -119,13 +101,14 @@ def leaderboard_csv(board: dict) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(["rank", "config", "geomean_us", "spread", "tflops", *(f"speedup_{b}" for b in SDPA_BACKENDS),
-                     "registers", "smem", "spill_bytes", "max_abs_err"])
+                     "registers", "smem", "spill_bytes", "max_abs_err", "label"])
     for e in board["entries"]:
         r = e.get("resources", {})
         writer.writerow([e["rank"], _short(e["config"]), f"{e['geomean_us']:.4f}", f"{e['spread']:.4f}", f"{e['tflops']:.2f}",
                          *(f"{e['speedup'][b]:.4f}" if e["speedup"].get(b) else "" for b in SDPA_BACKENDS),
-                         r.get("registers", ""), r.get("smem", ""), r.get("spill_bytes", ""), e["max_abs_err"]])
+                         r.get("registers", ""), r.get("smem", ""), r.get("spill_bytes", ""), e["max_abs_err"],
+                         Config(e["config"]).short_label()])
     for row in board["sdpa"]:
-        writer.writerow(["", f"SDPA {row['backend']}", f"{row['geomean_us']:.4f}", "", f"{row['tflops']:.2f}", *([""] * len(SDPA_BACKENDS)), "", "", "", ""])
+        writer.writerow(["", f"SDPA {row['backend']}", f"{row['geomean_us']:.4f}", "", f"{row['tflops']:.2f}", *([""] * len(SDPA_BACKENDS)), "", "", "", "", ""])
     return buf.getvalue()
 

@@ -47,6 +47,32 @@ class Config(Mapping[str, ParamValue]):
         """``BLOCK_M=64,BLOCK_N=64,PATH=wmma``: the form ``--config`` accepts."""
         return ",".join(f"{k}={v}" for k, v in self.items_)
 
+    def short_label(self) -> str:
+        """A compact label for tables, e.g. ``mma 64x128 w4 st2 q p`` (``--config`` takes ``label()``).
+
+        In order: PATH; BLOCK_MxBLOCK_N; ``w`` WARPS; ``v`` VEC; ``st`` STAGES; SMEM_LAYOUT's
+        value; ``q`` for Q_IN_REGS=1, ``p`` for P_IN_REGS=1; ``s`` SPLITS; ``g`` KV_GROUPS. A
+        parameter at its neutral value is left out (VEC 8, STAGES 1, SMEM_LAYOUT swizzle,
+        Q_IN_REGS and P_IN_REGS 0, SPLITS 1, KV_GROUPS 1); any other parameter follows as
+        ``NAME=value``, in name order. The same configuration always gets the same label.
+        """
+        values = dict(self.items_)
+        parts = [str(values.pop("PATH"))] if "PATH" in values else []
+        if "BLOCK_M" in values and "BLOCK_N" in values:
+            parts.append(f"{values.pop('BLOCK_M')}x{values.pop('BLOCK_N')}")
+        for name, prefix, neutral in _SHORT:
+            if name not in values:
+                continue
+            value = values.pop(name)
+            if value == neutral:
+                continue
+            if neutral == 0 and value in (1, True):  # an on/off switch: its letter alone
+                parts.append(prefix)
+            else:
+                parts.append(f"{prefix}{_text(value)}")
+        parts += [f"{name}={_text(value)}" for name, value in sorted(values.items())]
+        return " ".join(parts)
+
     def key(self) -> str:
         """Stable short hash of the parameters (same on every machine and run)."""
         blob = json.dumps(dict(self.items_), sort_keys=True, separators=(",", ":"))
@@ -65,6 +91,23 @@ class Config(Mapping[str, ParamValue]):
             name, raw = (s.strip() for s in part.split("=", 1))
             values[name] = _coerce(raw)
         return cls(values)
+
+
+_SHORT: tuple[tuple[str, str, ParamValue | None], ...] = (
+    # parameter, prefix in ``short_label``, neutral value (left out); None: always shown
+    ("WARPS", "w", None),
+    ("VEC", "v", 8),
+    ("STAGES", "st", 1),
+    ("SMEM_LAYOUT", "", "swizzle"),
+    ("Q_IN_REGS", "q", 0),
+    ("P_IN_REGS", "p", 0),
+    ("SPLITS", "s", 1),
+    ("KV_GROUPS", "g", 1),
+)
+
+
+def _text(value: ParamValue) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _coerce(raw: str) -> ParamValue:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from evoengineer.kernels import Rendered, compile_source, render
+from evoengineer.kernels import compile_source, render
 from evoengineer.space import DEFAULT_TOLERANCES, Case, Config, Variant
 
 try:
