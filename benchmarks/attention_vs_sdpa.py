@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from evoengineer.gpu import REFERENCE_CALLS, SDPA_BACKENDS, EvalResult, Evaluator, fastest_sdpa
+from evoengineer.kernels import arch_for_device
 from evoengineer.space import Case, Config, load_space, parse_shape
 
 HAND_PICKED = [  # per-regime winners of h100 searches (NVIDIA H100)
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         def evaluator_for(i: int) -> Evaluator:
             if i not in evaluators:
                 ev = stack.enter_context(Evaluator(spaces[i], gate_trials=args.trials))
-                ev.arch = ev.info()["arch"]
+                ev.arch = arch_for_device(ev.info()["arch"], space.target.arch)
                 evaluators[i] = ev
             return evaluators[i]
 

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from evoengineer.gpu import AttentionKernel
 from evoengineer.gpu.evaluate import EDGE_SEQS, gate_launcher, time_launcher
-from evoengineer.kernels import compile_many, render
+from evoengineer.kernels import arch_for_device, compile_many, render
 from evoengineer.resources import templates_dir
 from evoengineer.space import Case, Config, load_space, parse_shape
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [Case(*parse_shape(s), causal, dtype=dtype) for s in args.shape for dtype in space.dtypes
              for causal in (False, True)] or list(space.cases)
     configs = [Config.parse(c) for c in args.config]
-    arch = "sm_%d%d" % torch.cuda.get_device_capability()
+    arch = arch_for_device("sm_%d%d" % torch.cuda.get_device_capability(), space.target.arch)
     timing = {"flush_l2": True, "repetitions": space.timing.repetitions, "warmup": space.timing.warmup}
     console = Console(highlight=False, width=200)
 

@@ -7,6 +7,7 @@ import json
 from rich.console import Console
 
 from ..gpu import SDPA_BACKENDS, Evaluator
+from ..kernels import arch_for_device
 from ..results import baseline_grid, bench_grid, print_grid
 from .common import EXIT_FAILED, EXIT_OK, WIDE_HELP, load_space, parse_config, require_gpu
 
@@ -32,10 +33,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console = Console(highlight=False, stderr=args.json)
     with Evaluator(space, device=args.device, gate_trials=args.trials) as ev:
         info = ev.info()
-        if info.get("arch") and info["arch"] != space.target.arch:
-            console.print(f"[yellow]note:[/] space {space.name} targets {space.target.name} ({space.target.arch}); "
-                          f"compiling for the GPU present, {info['gpu']} ({info['arch']})")
-            ev.arch = info["arch"]
+        if info.get("arch"):
+            ev.arch = arch_for_device(info["arch"], space.target.arch)
+            if ev.arch != space.target.arch:
+                console.print(f"[yellow]note:[/] space {space.name} targets {space.target.name} ({space.target.arch}); "
+                              f"compiling for the GPU present, {info['gpu']} ({ev.arch})")
         with console.status(f"gating and timing {config.label()}"):
             result = ev.evaluate(config)
             baseline = ev.baseline() if result.ok else {}

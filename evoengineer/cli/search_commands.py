@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..gpu import EvalResult, fastest_sdpa
+from ..kernels import arch_for_device
 from ..search import (
     ReplayCandidates,
     RunDir,
@@ -98,10 +99,12 @@ def cmd_search(args: argparse.Namespace) -> int:
             info = evaluator.info()
         if info.get("status") != "ok":
             raise UsageError(f"the GPU worker failed to start: {info.get('reason', '')}")
-        arch = info["arch"]
+        arch = arch_for_device(info["arch"], space.target.arch)
         if arch != space.target.arch:
             console.print(f"[yellow]note:[/] space {space.name} targets {space.target.name} ({space.target.arch}); "
-                          f"this GPU is {info['gpu']} ({arch}): compiling for {arch}")
+                          f"this GPU is {info['gpu']} ({info['arch']}): compiling for {arch}, without the paths "
+                          f"only {space.target.arch} has")
+            space = evaluator.space = space.for_arch(arch)
         evaluator.arch = arch
         if args.resume and (run.path / "baseline.json").exists():
             baseline = json.loads((run.path / "baseline.json").read_text())

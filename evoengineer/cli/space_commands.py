@@ -29,8 +29,17 @@ def cmd_check(args: argparse.Namespace) -> int:
         arch = normalize_arch(args.arch or space.target.arch)
     except ValueError as exc:
         raise UsageError(f"--arch: {exc}") from None
+    space = space.for_arch(arch)  # constraints on ARCH/ARCH_NAME see the arch compiled for
     started = time.perf_counter()
     valid = list(space.valid_configs())
+    if args.where:
+        from ..space import ExpressionError, parse_expression
+
+        try:
+            where = parse_expression(args.where, set(space.param_names) | set(space.environment()))
+        except ExpressionError as exc:
+            raise UsageError(f"--where: {exc}") from None
+        valid = [c for c in valid if where({**space.environment(), **c})]
     configs = valid if not args.limit or args.limit >= len(valid) else random.Random(args.seed).sample(valid, args.limit)
     console = _console(args)
     reports = []
@@ -108,6 +117,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--space", required=True, help="space YAML path or built-in name (l4, h100)")
     p.add_argument("--arch", help="compile for this arch instead of the space's target (e.g. sm_89, sm_90)")
     p.add_argument("--limit", type=int, metavar="N", help="check N configurations sampled at random (default: all)")
+    p.add_argument("--where", metavar="EXPR", help="only the configurations for which EXPR holds, an expression in the "
+                   "constraints' language, e.g. \"PATH == 'wgmma'\"")
     p.add_argument("--seed", type=int, default=0, help="seed for --limit sampling (default 0)")
     p.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: one per core)")
     p.add_argument("--json", action="store_true", help="print one JSON object {summary, configs} instead of tables")

@@ -10,6 +10,7 @@ from .compile import (
     DEFAULT_OPTIONS,
     CompileResult,
     KernelResources,
+    arch_for_device,
     compile_many,
     compile_source,
     normalize_arch,
@@ -19,7 +20,7 @@ from .render import KERNEL_ARGS, Launch, Rendered, RenderError, from_source, ren
 from .static import StaticReport, VariantBuild, build_config, build_config_job, build_many
 
 __all__ = [
-    "DEFAULT_OPTIONS", "KERNEL_ARGS", "CompileResult", "KernelResources", "Launch", "RenderError", "Rendered",
+    "DEFAULT_OPTIONS", "KERNEL_ARGS", "CompileResult", "KernelResources", "arch_for_device", "Launch", "RenderError", "Rendered",
     "StaticReport", "VariantBuild", "build_config", "build_config_job", "build_many", "compile_many",
     "compile_source", "from_source", "normalize_arch", "nvrtc_version", "render",
 ]

@@ -101,6 +101,13 @@ def normalize_arch(arch: str | int) -> str:
     return text
 
 
+def arch_for_device(device_arch: str, target_arch: str) -> str:
+    """The arch to compile for on a device: the target's arch-specific variant where the device
+    is that chip (``sm_90a`` on an ``sm_90`` GPU, for wgmma and setmaxnreg), else the device's own."""
+    device, target = normalize_arch(device_arch), normalize_arch(target_arch)
+    return target if target.rstrip("a") == device.rstrip("a") else device
+
+
 def nvrtc_version() -> tuple[int, int]:
     from cupy.cuda import nvrtc
 

@@ -8,7 +8,6 @@ one line naming the file and the key path.
 from __future__ import annotations
 
 import difflib
-import itertools
 import math
 import random
 import re
@@ -214,12 +213,18 @@ class Space:
             "SMEM_LIMIT": self.target.smem_per_block,
             "SMS": self.target.sms,
             "ARCH": self.target.arch_number,
+            "ARCH_NAME": self.target.arch,
             "MAX_HEAD_DIM": max(dims),
             "MIN_HEAD_DIM": min(dims),
         }
 
     def total_size(self) -> int:
         return math.prod(len(p.values) for p in self.params)
+
+    def for_arch(self, arch: str) -> "Space":
+        """The space compiled for another arch (``check --arch``, a search on another GPU): its
+        constraints then see that ``ARCH``/``ARCH_NAME``, so arch-specific paths drop out."""
+        return self if arch == self.target.arch else replace(self, target=replace(self.target, arch=arch))
 
     def violations(self, config: Mapping[str, ParamValue]) -> list[str]:
         """Constraint texts that ``config`` breaks (empty when valid)."""
@@ -234,14 +239,30 @@ class Space:
         return not self.violations(config)
 
     def valid_configs(self) -> Iterator[Config]:
-        """Every configuration that satisfies all constraints, in a fixed order."""
+        """Every configuration that satisfies all constraints, in a fixed order (that of
+        ``itertools.product`` over the parameters). A constraint is checked as soon as every
+        parameter it names has a value, so whole subtrees of the product are skipped at once."""
         env = self.environment()
         names = self.param_names
-        checks = [c.expression for c in self.constraints]
-        for values in itertools.product(*(p.values for p in self.params)):
-            scope = {**env, **dict(zip(names, values))}
-            if all(check(scope) for check in checks):
-                yield Config(dict(zip(names, values)))
+        position = {name: i for i, name in enumerate(names)}
+        ready: list[list[Any]] = [[] for _ in names]  # checks that can run once parameter i is set
+        for c in self.constraints:
+            used = [position[n] for n in c.expression.names if n in position]
+            ready[max(used) if used else 0].append(c.expression)
+        values = [p.values for p in self.params]
+        scope = dict(env)
+
+        def walk(i: int) -> Iterator[Config]:
+            for value in values[i]:
+                scope[names[i]] = value
+                if all(check(scope) for check in ready[i]):
+                    if i + 1 == len(names):
+                        yield Config({n: scope[n] for n in names})
+                    else:
+                        yield from walk(i + 1)
+
+        if names:
+            yield from walk(0)
 
     def valid_size(self) -> int:
         return sum(1 for _ in self.valid_configs())
@@ -359,7 +380,7 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
         v.fail("template", f"no template {template!r}{_hint(template, template_names())}")
 
     params = _parse_params(v, root["params"])
-    space_env_names = {"SMEM_LIMIT", "SMS", "ARCH", "MAX_HEAD_DIM", "MIN_HEAD_DIM"}
+    space_env_names = {"SMEM_LIMIT", "SMS", "ARCH", "ARCH_NAME", "MAX_HEAD_DIM", "MIN_HEAD_DIM"}
     known = {p.name for p in params} | space_env_names
     constraints = _parse_constraints(v, root.get("constraints", []), known)
 
