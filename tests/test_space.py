@@ -170,10 +170,31 @@ def test_seeds_are_in_the_space() -> None:
 
 def test_shipped_shapes() -> None:
     l4, h100 = load_space("l4"), load_space("h100")
-    assert (l4.target.arch, l4.target.sms, h100.target.arch, h100.target.sms) == ("sm_89", 58, "sm_90", 132)
+    assert (l4.target.arch, l4.target.sms, h100.target.arch, h100.target.sms) == ("sm_89", 58, "sm_90a", 132)
     labels = {c.label() for c in h100.cases}
     assert {"B1 H8 S512 D64", "B4 H16 S2048 D64", "B4 H16 S2048 D128 causal"} <= labels
     assert {"B1 H8 S512 D64", "B1 H8 S512 D64 causal"} <= {c.label() for c in l4.cases}
+
+
+def test_enumeration_prunes_without_losing_or_adding_configurations() -> None:
+    import itertools
+
+    space = load_space("l4")
+    env = space.environment()
+    brute = [dict(zip(space.param_names, values)) for values in itertools.product(*(p.values for p in space.params))
+             if all(c.expression({**env, **dict(zip(space.param_names, values))}) for c in space.constraints)]
+    assert [dict(c) for c in space.valid_configs()] == brute
+
+
+def test_wgmma_needs_sm_90a_and_other_archs_drop_it() -> None:
+    h100 = load_space("h100")
+    paths = {c["PATH"] for c in h100.valid_configs()}
+    assert paths == {"scalar", "wmma", "mma", "wgmma"}
+    for arch in ("sm_90", "sm_89"):
+        retargeted = h100.for_arch(arch)
+        assert retargeted.target.arch == arch
+        assert "wgmma" not in {c["PATH"] for c in retargeted.valid_configs()}
+    assert all(c["BLOCK_M"] == 64 * c["CONSUMER_WGS"] for c in h100.valid_configs() if c["PATH"] == "wgmma")
 
 
 @pytest.mark.parametrize("raw, seconds", [("90s", 90), ("15m", 900), ("1h30m", 5400), (45, 45)])

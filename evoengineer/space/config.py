@@ -55,8 +55,21 @@ class Config(Mapping[str, ParamValue]):
         parameter at its neutral value is left out (VEC 8, STAGES 1, SMEM_LAYOUT swizzle,
         Q_IN_REGS and P_IN_REGS 0, SPLITS 1, KV_GROUPS 1); any other parameter follows as
         ``NAME=value``, in name order. The same configuration always gets the same label.
+        On the wgmma path (``wgmma 128x192 st2 r24/240 ovl pp``) WARPS and VEC are unused
+        and left out, the consumer warpgroups follow from BLOCK_M, ``pr`` is the producer
+        warpgroup, ``r`` the setmaxnreg pair (producer/consumer, with a producer), ``ovl`` the intra-warpgroup
+        overlap and ``pp`` ping-pong.
         """
         values = dict(self.items_)
+        if values.get("PATH") == "wgmma":  # warpgroups instead of warps; the tile's rows give the consumers
+            for name, unused in (("WARPS", 1), ("VEC", 1)):
+                if values.get(name) == unused:
+                    values.pop(name)
+            if values.get("CONSUMER_WGS") is not None and values.get("BLOCK_M") == 64 * values["CONSUMER_WGS"]:
+                values.pop("CONSUMER_WGS")
+            if values.get("REG_PRODUCER") and values.get("REG_CONSUMER") and values.get("PRODUCER") == 1:
+                values["SETMAXNREG"] = f"{values.pop('REG_PRODUCER')}/{values.pop('REG_CONSUMER')}"
+                values.pop("PRODUCER")  # register reallocation implies the producer warpgroup
         parts = [str(values.pop("PATH"))] if "PATH" in values else []
         if "BLOCK_M" in values and "BLOCK_N" in values:
             parts.append(f"{values.pop('BLOCK_M')}x{values.pop('BLOCK_N')}")
@@ -103,6 +116,13 @@ _SHORT: tuple[tuple[str, str, ParamValue | None], ...] = (
     ("P_IN_REGS", "p", 0),
     ("SPLITS", "s", 1),
     ("KV_GROUPS", "g", 1),
+    ("CONSUMER_WGS", "c", 1),
+    ("PRODUCER", "pr", 0),
+    ("SETMAXNREG", "r", None),
+    ("REG_PRODUCER", "rp", 0),
+    ("REG_CONSUMER", "rc", 0),
+    ("INTRA_WG_OVERLAP", "ovl", 0),
+    ("PINGPONG", "pp", 0),
 )
 
 
