@@ -186,3 +186,28 @@ def test_search_restricted_to_one_shape_records_it_and_resumes_with_it(tmp_path:
                   "--run-dir", str(tmp_path / "other"), cwd=tmp_path)
     assert missing.returncode == 2
     assert missing.stderr.strip().count("\n") == 0 and "no shape 9,9,9,64" in missing.stderr
+
+
+def test_search_reports_where_the_time_went(tmp_path: Path, space_yaml: Path) -> None:
+    """Each record carries its phase times; the summary (--json, run.json) sums them and
+    --profile prints them as a table."""
+    run = tmp_path / "run"
+    done = cli("search", "--space", str(space_yaml), "--replay", str(RECORDING), "--trials", "6", "--strategy", "random",
+               "--run-dir", str(run), "--replay-delay", "0.05", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["run"] == str(run) and out["summary"]["evaluated"] == 6
+    phases = out["summary"]["phases"]
+    assert phases["timing"]["total_s"] >= 6 * 0.05 and phases["timing"]["mean_ms"] >= 50
+    assert phases["strategy"]["total_s"] > 0 and phases["storage"]["total_s"] > 0
+    assert 0 < sum(p["share"] for p in phases.values()) <= 1.05
+    assert json.loads((run / "run.json").read_text())["summary"]["phases"] == phases
+    records = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
+    assert all(r["phases"]["timing"] >= 0.05 and r["phases"]["strategy"] > 0 for r in records)
+
+    profiled = cli("search", "--space", str(space_yaml), "--replay", str(RECORDING), "--trials", "3", "--strategy", "random",
+                   "--run-dir", str(tmp_path / "run2"), "--quiet", "--profile", cwd=tmp_path)
+    assert profiled.returncode == 0, profiled.stderr
+    assert "where the time went" in profiled.stdout
+    for phase in ("strategy", "compile", "timing", "storage"):
+        assert phase in profiled.stdout

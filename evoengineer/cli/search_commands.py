@@ -46,7 +46,7 @@ def _restrict_shapes(space: Space, shapes: list[str] | None) -> Space:
 
 def cmd_search(args: argparse.Namespace) -> int:
     space = load_space(args.space)
-    console = Console(highlight=False)
+    console = Console(highlight=False, stderr=args.json)  # with --json, stdout holds only the JSON
     try:
         time_s = parse_duration(args.time) if args.time else space.search.time_s
     except ValueError as exc:
@@ -129,7 +129,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     done_before = sum(1 for r in run.results())
     with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[best]}"), TextColumn("{task.fields[counts]}"), console=console,
-                  disable=args.quiet) as progress:
+                  disable=args.quiet or args.json) as progress:
         task = progress.add_task("search", total=trials, completed=min(done_before, trials), best="", counts="")
 
         def on_result(result: EvalResult, stats: SearchStats) -> None:
@@ -152,9 +152,15 @@ def cmd_search(args: argparse.Namespace) -> int:
     meta.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), summary=summary)
     run.write_meta(meta)
 
-    from ..results import leaderboard_grid, print_grid, search_summary_grid
+    if args.json:
+        print(json.dumps({"run": str(run.path), "storage": storage, "study": meta["study_name"], "summary": summary,
+                          "leaderboard": board["entries"]}))
+        return EXIT_OK if board["entries"] else EXIT_FAILED
+    from ..results import leaderboard_grid, print_grid, profile_grid, search_summary_grid
 
     print_grid(console, search_summary_grid(summary), wide=args.wide)
+    if args.profile:
+        print_grid(console, profile_grid(summary), wide=args.wide)
     if board["entries"]:
         print_grid(console, leaderboard_grid(board), wide=args.wide)
     console.print(f"run directory: {run.path}\nleaderboard: evoengineer leaderboard {run.path}\n"
@@ -239,6 +245,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replay-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--wide", action="store_true", help=WIDE_HELP)
+    p.add_argument("--profile", action="store_true",
+                   help="print where the time went: per phase (strategy, compile, load, gate, timing, ipc, storage) "
+                        "the total, the mean per evaluation and the share of the wall time")
+    p.add_argument("--json", action="store_true", help="print the run's summary (as in run.json) and leaderboard as JSON")
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("runs", help="list search runs")

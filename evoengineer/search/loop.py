@@ -98,6 +98,12 @@ class RunDir:
                 (self.path / "sources" / f"{report.config.key()}-{build.variant.label()}.cu").write_text(build.rendered.source)
 
 
+PHASES = ("strategy", "compile", "load", "gate", "timing", "ipc", "storage")
+"""Where an evaluation's time goes: asking the strategy, waiting for its ahead-compiled
+build, loading the module in the worker, the gate, the timing, the worker round trips'
+remainder, and telling the study plus writing the record."""
+
+
 @dataclass
 class SearchStats:
     started: float = field(default_factory=time.perf_counter)
@@ -105,6 +111,7 @@ class SearchStats:
     gpu_busy_s: float = 0.0
     counts: dict[str, int] = field(default_factory=lambda: {s: 0 for s in STATUSES})
     best: EvalResult | None = None
+    phases: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
 
     @property
     def elapsed_s(self) -> float:
@@ -117,6 +124,17 @@ class SearchStats:
         if result.ok and (self.best is None or result.objective_us < self.best.objective_us):
             self.best = result
 
+    def add_phases(self, phases: dict[str, float]) -> None:
+        for name, seconds in phases.items():
+            self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    def profile(self) -> dict[str, dict[str, float]]:
+        """Per phase: total seconds, mean milliseconds per evaluation, share of the wall time."""
+        wall, n = self.elapsed_s, max(1, self.evaluated)
+        return {name: {"total_s": round(total, 3), "mean_ms": round(1000 * total / n, 2),
+                       "share": round(total / wall, 4) if wall else 0.0}
+                for name, total in self.phases.items()}
+
     def summary(self) -> dict:
         minutes = self.elapsed_s / 60
         return {
@@ -126,6 +144,7 @@ class SearchStats:
             "gpu_busy_share": round(self.gpu_busy_s / self.elapsed_s, 3) if self.elapsed_s else None,
             "counts": self.counts,
             "best": self.best.to_json() if self.best else None,
+            "phases": self.profile(),
         }
 
 
@@ -210,13 +229,14 @@ def run_search(
     valid_total = space.valid_size()
     seen = {t.user_attrs.get("config_key") for t in study.get_trials(deepcopy=False)
             if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) and t.user_attrs.get("status") != "interrupted"}
-    pending: deque[tuple[optuna.Trial, Config, Future | None]] = deque()
+    pending: deque[tuple[optuna.Trial, Config, Future | None, float]] = deque()
     budget = min(trials, valid_total)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=compile_workers or max(1, (os.cpu_count() or 2) - 1), mp_context=ctx) as pool:
         while True:
             out_of_time = time_s is not None and stats.elapsed_s >= time_s
             while not out_of_time and len(pending) < prefetch and counted_trials(study) < budget:
+                asked = time.perf_counter()
                 trial = study.ask()
                 trial.set_user_attr("run", run.path.name)
                 config = suggest_config(trial, space)
@@ -226,17 +246,24 @@ def run_search(
                     continue
                 seen.add(config.key())
                 job = (space.template, config, space.variants, arch, space.target.smem_per_block)
-                pending.append((trial, config, pool.submit(build_config_job, job) if build else None))
+                pending.append((trial, config, pool.submit(build_config_job, job) if build else None,
+                                time.perf_counter() - asked))
             if not pending:
                 break
-            trial, config, future = pending.popleft()
+            trial, config, future, strategy_s = pending.popleft()
+            waited = time.perf_counter()
             report = future.result() if future is not None else None
+            compile_s = time.perf_counter() - waited
+            result = evaluator.evaluate(config, report)
+            stored = time.perf_counter()
             if report is not None:
                 run.save_sources(report)
-            result = evaluator.evaluate(config, report)
+            result.phases = {**result.phases, "strategy": round(strategy_s, 4), "compile": round(compile_s, 4),
+                             "storage": round(time.perf_counter() - stored, 4)}
             run.append_result(result)
             tell(study, trial, result)
             stats.add(result)
+            stats.add_phases({**result.phases, "storage": time.perf_counter() - stored})
             if on_result:
                 on_result(result, stats)
     return stats
