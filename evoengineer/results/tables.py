@@ -188,6 +188,8 @@ def search_summary_grid(summary: dict) -> Grid:
     grid.add("evaluations per minute", str(summary["evaluations_per_minute"]))
     share = summary.get("gpu_busy_share")
     grid.add("GPU-busy share", f"{share * 100:.0f}%" if share is not None else "-")
+    if summary.get("devices", 1) > 1:
+        grid.add("per device", " ".join(f"{d}:{n}" for d, n in summary["per_device"].items()))
     for status, count in summary["counts"].items():
         if count:
             grid.add(f"  {status}", str(count))
