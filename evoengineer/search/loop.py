@@ -348,11 +348,11 @@ class _Search:
         self._maybe_queued = True
         self._distributions = {p.name: optuna.distributions.CategoricalDistribution(list(p.values)) for p in space.params}
 
-    def _new_trial(self) -> int:
+    def _new_trial(self) -> int | None:
         """A queued trial (a retry, an enqueued configuration) if one is waiting, else a new
-        one; created with this search's name in one transaction."""
+        one (created with this search's name in one transaction) unless the budget is full."""
         storage = self.study._storage
-        if self._maybe_queued:
+        if self._maybe_queued or self.full:
             for waiting in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
                 try:
                     if not storage.set_trial_state_values(waiting._trial_id, state=optuna.trial.TrialState.RUNNING):
@@ -364,6 +364,8 @@ class _Search:
                 storage.set_trial_user_attr(waiting._trial_id, "run", self.name)
                 return waiting._trial_id
             self._maybe_queued = False
+        if self.full:
+            return None
         template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, user_attrs={"run": self.name})
         return storage.create_new_trial(self.study._study_id, template_trial=template)
 
@@ -388,7 +390,10 @@ class _Search:
         """Ask the strategy for the next trial, take its budget slot, submit its build.
         None when no slot is free, the space is exhausted, or another search took the trial."""
         started = time.perf_counter()
-        trial = optuna.Trial(self.study, self._new_trial())
+        trial_id = self._new_trial()
+        if trial_id is None:
+            return None
+        trial = optuna.Trial(self.study, trial_id)
         frozen = trial._cached_frozen_trial
         system = frozen.system_attrs
         self.heartbeat.add(trial._trial_id)
@@ -548,8 +553,9 @@ def run_search(
                 search.check_stale()
                 while len(search.in_flight) < depth and search.may_ask():
                     candidate = search.ask(pool)
-                    if candidate is not None:
-                        lanes.ready.put(candidate)
+                    if candidate is None:
+                        break  # no slot, nothing new, or another search took the queued trial: next round
+                    lanes.ready.put(candidate)
             if not search.in_flight:
                 if out_of_time or search.exhausted or not search.others_running():
                     break
