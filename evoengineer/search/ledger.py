@@ -43,6 +43,7 @@ class Ledger:
         self.study = study
         self._study_id = study._study_id
         self._rdb = rdb_backend(study)
+        self.free_after = 0
         key = id(study._storage)
         self._lock = Ledger._local_locks.setdefault(key, threading.Lock())
 
@@ -146,11 +147,15 @@ class Ledger:
         return out
 
     def take_slot(self, budget: int, trial_number: int) -> int | None:
-        """The lowest free slot below ``budget`` for ``trial_number``; None when all are taken."""
+        """The lowest free slot below ``budget`` for ``trial_number``; None when all are taken.
+        ``free_after`` then holds how many were still free at most."""
         taken = set(self.slots())
         for index in range(budget):
             if index not in taken and self.insert(f"slot:{index}", {"trial": trial_number}):
+                self.free_after = sum(1 for i in range(index + 1, budget) if i not in taken)
                 return index
+            taken.add(index)
+        self.free_after = 0
         return None
 
     def hand_over_slot(self, from_trial: int, to_trial: int) -> int | None:

@@ -403,8 +403,8 @@ class _Search:
             slot = self.ledger.hand_over_slot(retried[-1], trial.number)
         if slot is None:
             slot = self.ledger.take_slot(self.budget, trial.number)
+            self.full = self.ledger.free_after == 0  # ask no new trial for nothing
         if slot is None:
-            self.full = True
             self._drop(trial, "over budget")
             return None
         config = self._configure(trial, frozen)
@@ -490,7 +490,8 @@ class _Search:
     def others_running(self) -> bool:
         """Whether another search runs a trial that may still end or be found dead: with
         heartbeats on, this search waits for those before it ends, to retry them if needed.
-        A running trial that never recorded a heartbeat is waited for one grace period."""
+        A running trial that records no heartbeat for a grace period belongs to a search that
+        died before its first one: it is re-queued like a stale one."""
         interval = self.heartbeat.interval
         if interval is None:
             return False
@@ -502,11 +503,11 @@ class _Search:
             return False
         beating = self.ledger.heartbeats(running)
         now = time.monotonic()
-        for trial_id in running:
-            first = self._first_seen.setdefault(trial_id, now)
-            if trial_id in beating or now - first < GRACE_BEATS * interval:
-                return True
-        return False
+        silent = [i for i in running if i not in beating and now - self._first_seen.setdefault(i, now) > GRACE_BEATS * interval]
+        if silent:
+            requeue_stale(self.study, self.ledger, self.name, silent)
+            self._maybe_queued = True
+        return True
 
 
 def run_search(

@@ -140,17 +140,19 @@ def requeue(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
     callback(study, copy.deepcopy(frozen))
 
 
-def requeue_stale(study: optuna.Study, ledger: Ledger, by: str) -> int:
+def requeue_stale(study: optuna.Study, ledger: Ledger, by: str, silent: list[int] = ()) -> int:
     """Fail and re-queue, once across all searches, every running trial whose heartbeat went
-    stale (its search died). Returns how many this search re-queued."""
+    stale (its search died), and the trials in ``silent`` (running, and without a heartbeat
+    for a grace period: their search died before the first one). Returns how many this
+    search re-queued."""
     if not heartbeat_enabled(study):
         return 0
     storage = study._storage
     done = 0
-    for trial_id in storage._get_stale_trial_ids(study._study_id):
+    for trial_id in [*storage._get_stale_trial_ids(study._study_id), *silent]:
         frozen = storage.get_trial(trial_id)
-        if not ledger.mark_requeued(frozen.number, by):
-            continue  # another search is on it
+        if frozen.state != optuna.trial.TrialState.RUNNING or not ledger.mark_requeued(frozen.number, by):
+            continue  # finished, or another search is on it
         try:
             storage.set_trial_state_values(trial_id, state=optuna.trial.TrialState.FAIL)
         except optuna.exceptions.UpdateFinishedTrialError:
