@@ -12,6 +12,10 @@ What the search keeps here (``evoengineer:`` keys):
 * ``config:<hash>`` -> ``{"trial": number}``: a configuration is proposed to one trial only.
 * ``owner:<number>``: the one search that runs a trial taken from the queue.
 * ``requeued:<number>``: the one search that re-queues a dead worker's trial.
+
+A search killed between claiming a configuration and storing it in its trial leaves that
+configuration claimed and unevaluated (its retry proposes another one): the budget is still
+met, with one candidate fewer to choose from.
 """
 from __future__ import annotations
 

@@ -337,11 +337,12 @@ class _Search:
         self.heartbeat = Heartbeat(study)
         self.name = run.path.name
         self.in_flight: dict[int, _Candidate] = {}  # trial id -> candidate
-        self.full = False  # every budget slot is taken
+        self.full = len(self.ledger.slots()) >= budget  # every budget slot is taken
         self.exhausted = False  # no configuration is left to propose
         self.seen = {t.user_attrs.get("config_key") for t in study.get_trials(deepcopy=False, states=_FINISHED)
                      if t.user_attrs.get("status") in STATUSES}
         self._first_seen: dict[int, float] = {}
+        self._dead_since: dict[int, float] = {}
         self._checked_stale = 0.0
         self._probed = time.monotonic()
         self._repeats = 0
@@ -502,12 +503,17 @@ class _Search:
         if not running:
             return False
         beating = self.ledger.heartbeats(running)
-        now = time.monotonic()
-        silent = [i for i in running if i not in beating and now - self._first_seen.setdefault(i, now) > GRACE_BEATS * interval]
-        if silent:
+        now, grace = time.monotonic(), GRACE_BEATS * interval
+        silent = [i for i in running if i not in beating and now - self._first_seen.setdefault(i, now) > grace]
+        dead = set(silent) | set(self.study._storage._get_stale_trial_ids(self.study._study_id))
+        if dead:
             requeue_stale(self.study, self.ledger, self.name, silent)
             self._maybe_queued = True
-        return True
+        for trial_id in dead:
+            self._dead_since.setdefault(trial_id, now)
+        # a dead trial still running two grace periods on cannot be re-queued (whoever took it on
+        # died too): waiting for it would never end
+        return any(now - self._dead_since.get(i, now) <= 2 * grace for i in running)
 
 
 def run_search(
