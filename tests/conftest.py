@@ -47,3 +47,92 @@ def space_file(tmp_path: Path):
         return path
 
     return make
+
+
+# -- a real PostgreSQL server for the tests that share a study across processes ----------------
+
+
+def _postgres_bin(name: str) -> str | None:
+    import glob
+    import shutil
+
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)
+    return candidates[0] if candidates else None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """``postgresql://...`` of a throwaway server (initdb + pg_ctl in a temp dir, a free port,
+    its socket in the temp dir); skipped where no server binaries or no driver exist. As
+    root, the server runs as an unprivileged user (initdb refuses root)."""
+    import os
+    import pwd
+    import shutil
+    import subprocess
+    import tempfile
+
+    initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
+    if not initdb or not pg_ctl:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) on this machine")
+    driver = _postgres_driver()
+    if driver is None:
+        pytest.skip("no PostgreSQL driver: pip install 'psycopg[binary]' (the test extra has it)")
+    root = tempfile.mkdtemp(prefix="evoengineer-pg-")
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        user = next((u for u in ("postgres", "nobody") if _has_user(u)), None)
+        runner = shutil.which("runuser") or shutil.which("setpriv")
+        if user is None or runner is None:
+            shutil.rmtree(root, ignore_errors=True)
+            pytest.skip("running as root with no unprivileged user or no runuser/setpriv to start PostgreSQL as")
+        entry = pwd.getpwnam(user)
+        os.chown(root, entry.pw_uid, entry.pw_gid)
+        as_user = [runner, "-u", user, "--"] if runner.endswith("runuser") else \
+            [runner, f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--init-groups"]
+    data, log, port = os.path.join(root, "data"), os.path.join(root, "server.log"), _free_port()
+    try:
+        subprocess.run([*as_user, initdb, "-D", data, "-U", "evo", "--auth=trust", "-E", "UTF8", "--no-sync"],
+                       check=True, capture_output=True, text=True, timeout=120)
+        options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+        subprocess.run([*as_user, pg_ctl, "-D", data, "-l", log, "-o", options, "-w", "-t", "60", "start"],
+                       check=True, capture_output=True, text=True, timeout=120)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        detail = getattr(exc, "stderr", "") or ""
+        shutil.rmtree(root, ignore_errors=True)
+        pytest.skip(f"PostgreSQL did not start: {detail.strip().splitlines()[-1] if detail.strip() else exc}")
+    try:
+        yield f"postgresql+{driver}://evo@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run([*as_user, pg_ctl, "-D", data, "-m", "immediate", "-w", "stop"], capture_output=True, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _has_user(name: str) -> bool:
+    import pwd
+
+    try:
+        pwd.getpwnam(name)
+        return True
+    except KeyError:
+        return False
+
+
+def _postgres_driver() -> str | None:
+    """The SQLAlchemy driver name of an installed PostgreSQL driver (psycopg 3 first)."""
+    import importlib.util
+
+    for module, name in (("psycopg", "psycopg"), ("psycopg2", "psycopg2")):
+        if importlib.util.find_spec(module) is not None:
+            return name
+    return None

@@ -13,6 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..gpu import EvalResult, fastest_sdpa
 from ..kernels import arch_for_device
 from ..search import (
+    DEFAULT_HEARTBEAT_S,
+    GRACE_BEATS,
     ReplayCandidates,
     RunDir,
     SearchStats,
@@ -45,9 +47,35 @@ def _restrict_shapes(space: Space, shapes: list[str] | None) -> Space:
         raise UsageError(f"--shape: {exc}") from None
 
 
+def _parse_devices(args: argparse.Namespace) -> list[int]:
+    """``--devices 0,1,3`` or ``all`` (every visible GPU); ``--device N`` alone means [N]."""
+    if args.devices is None:
+        return [args.device if args.device is not None else 0]
+    if args.device is not None:
+        raise UsageError("--device and --devices: give one of them")
+    text = args.devices.strip()
+    if text == "all":
+        if args.replay:
+            raise UsageError("--devices all: a replay has no GPUs to count; give the simulated devices, e.g. --devices 0,1")
+        require_gpu()
+        import torch
+
+        return list(range(torch.cuda.device_count()))
+    try:
+        devices = [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise UsageError(f"--devices: expected device indices such as 0,1 or 'all', got {text!r}") from None
+    if not devices or len(set(devices)) != len(devices) or min(devices) < 0:
+        raise UsageError(f"--devices: expected distinct device indices such as 0,1 or 'all', got {text!r}")
+    return devices
+
+
 def cmd_search(args: argparse.Namespace) -> int:
     space = load_space(args.space)
-    console = Console(highlight=False)
+    devices = _parse_devices(args)
+    if args.heartbeat is not None and args.heartbeat < 1:
+        raise UsageError(f"--heartbeat: expected a whole number of seconds >= 1, got {args.heartbeat}")
+    console = Console(highlight=False, stderr=args.json)  # with --json, stdout holds only the JSON
     try:
         time_s = parse_duration(args.time) if args.time else space.search.time_s
     except ValueError as exc:
@@ -85,39 +113,55 @@ def cmd_search(args: argparse.Namespace) -> int:
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replay": str(args.replay) if args.replay else None,
                 "shapes": args.shape or None}
 
-    # -- the evaluator ------------------------------------------------------------------
-    evaluator: Any
+    # -- the evaluators: one per device ---------------------------------------------------
+    evaluators: list[Any]
     if args.replay:
-        evaluator = ReplayCandidates(Path(args.replay), args.replay_delay)
+        evaluators = ReplayCandidates(Path(args.replay), args.replay_delay).on_devices(devices)
         info, arch, baseline = {"gpu": f"replay of {args.replay}"}, space.target.arch, {}
     else:
         from ..gpu import Evaluator
 
         require_gpu()
-        evaluator = Evaluator(space, device=args.device, seed=seed or 0)
-        with console.status("starting the GPU worker"):
-            info = evaluator.info()
-        if info.get("status") != "ok":
-            raise UsageError(f"the GPU worker failed to start: {info.get('reason', '')}")
-        arch = arch_for_device(info["arch"], space.target.arch)
+        import torch
+
+        missing = [d for d in devices if d >= torch.cuda.device_count()]
+        if missing:
+            raise UsageError(f"--devices: no GPU {missing[0]} on this machine ({torch.cuda.device_count()} visible)")
+        evaluators = [Evaluator(space, device=d, seed=seed or 0) for d in devices]
+        for ev in evaluators:
+            ev.worker.start()  # the workers start together
+        with console.status(f"starting {len(evaluators)} GPU worker(s)"):
+            infos = [ev.info() for ev in evaluators]
+        for d, one in zip(devices, infos):
+            if one.get("status") != "ok":
+                raise UsageError(f"the GPU worker on device {d} failed to start: {one.get('reason', '')}")
+        archs = sorted({one["arch"] for one in infos})
+        if len(archs) > 1:
+            raise UsageError(f"--devices: the GPUs differ ({', '.join(archs)}); run one search per kind of GPU on one study")
+        info, arch = infos[0], arch_for_device(archs[0], space.target.arch)
+        if len(devices) > 1:
+            info = {**info, "devices": devices, "gpus": [one["gpu"] for one in infos]}
         if arch != space.target.arch:
             console.print(f"[yellow]note:[/] space {space.name} targets {space.target.name} ({space.target.arch}); "
-                          f"this GPU is {info['gpu']} ({info['arch']}): compiling for {arch}, without the paths "
+                          f"this GPU is {info['gpu']} ({archs[0]}): compiling for {arch}, without the paths "
                           f"only {space.target.arch} has")
-            space = evaluator.space = space.for_arch(arch)
-        evaluator.arch = arch
+            space = space.for_arch(arch)
+        for ev in evaluators:
+            ev.arch, ev.space = arch, space
         if args.resume and (run.path / "baseline.json").exists():
             baseline = json.loads((run.path / "baseline.json").read_text())
         else:
             with console.status("timing SDPA's backends on every shape"):
-                baseline = evaluator.baseline()
+                baseline = evaluators[0].baseline()
             run.write_json("baseline.json", baseline)
-    meta.update(gpu=info, arch=arch, case_flops={c.label(): c.flops() for c in space.cases})
+    meta.update(gpu=info, arch=arch, devices=devices, case_flops={c.label(): c.flops() for c in space.cases})
     run.write_meta(meta)
     run.write_json("env.json", info)
 
+    heartbeat = args.heartbeat or meta.get("heartbeat_s") or DEFAULT_HEARTBEAT_S
+    meta["heartbeat_s"] = heartbeat
     study = open_study(space, run, strategy=strategy, seed=seed, storage=storage, study_name=meta["study_name"],
-                       resume=bool(args.resume or args.study))
+                       resume=bool(args.resume or args.study), heartbeat_s=heartbeat)
     if args.resume:
         recovered = recover_interrupted(study, run, space)
         if recovered:
@@ -125,14 +169,15 @@ def cmd_search(args: argparse.Namespace) -> int:
     best_sdpa = fastest_sdpa(baseline)
     sdpa_geomean = geomean([best_sdpa[c.label()][1] for c in space.cases]) if len(best_sdpa) == len(space.cases) else None
 
+    on = f"{len(devices)} × {info.get('gpu')} (devices {','.join(map(str, devices))})" if len(devices) > 1 else info.get("gpu")
     console.print(f"run [bold]{run.path}[/]  strategy {strategy}  budget {trials} evaluations"
-                  + (f" or {time_s / 60:.1f} min" if time_s else "") + f"  on {info.get('gpu')}")
+                  + (f" or {time_s / 60:.1f} min" if time_s else "") + f"  on {on}")
     console.print(f"study: {storage}  (optuna-dashboard {storage})")
 
     done_before = sum(1 for r in run.results())
     with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[best]}"), TextColumn("{task.fields[counts]}"), console=console,
-                  disable=args.quiet) as progress:
+                  disable=args.quiet or args.json) as progress:
         task = progress.add_task("search", total=trials, completed=min(done_before, trials), best="", counts="")
 
         def on_result(result: EvalResult, stats: SearchStats) -> None:
@@ -144,20 +189,28 @@ def cmd_search(args: argparse.Namespace) -> int:
             counts = " ".join(f"{k} {v}" for k, v in stats.counts.items() if v)
             progress.update(task, advance=1, best=best, counts=counts)
 
-        stats = run_search(space, evaluator, run, study, arch=arch, trials=trials, time_s=time_s, on_result=on_result,
+        stats = run_search(space, evaluators, run, study, arch=arch, trials=trials, time_s=time_s, on_result=on_result,
                            build=not args.replay)
 
     summary = stats.summary()
     finalists = best_results(run, top_k)
-    board = _finalize(run, space, evaluator, finalists, baseline, info, console, retime_rounds=0 if args.replay else args.retime_rounds)
-    if hasattr(evaluator, "close"):
-        evaluator.close()
+    board = _finalize(run, space, evaluators[0], finalists, baseline, info, console,
+                      retime_rounds=0 if args.replay else args.retime_rounds)
+    for ev in evaluators:
+        if hasattr(ev, "close"):
+            ev.close()
     meta.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), summary=summary)
     run.write_meta(meta)
 
-    from ..results import leaderboard_grid, print_grid, search_summary_grid
+    if args.json:
+        print(json.dumps({"run": str(run.path), "storage": storage, "study": meta["study_name"], "summary": summary,
+                          "leaderboard": board["entries"]}))
+        return EXIT_OK if board["entries"] else EXIT_FAILED
+    from ..results import leaderboard_grid, print_grid, profile_grid, search_summary_grid
 
     print_grid(console, search_summary_grid(summary), wide=args.wide)
+    if args.profile:
+        print_grid(console, profile_grid(summary), wide=args.wide)
     if board["entries"]:
         print_grid(console, leaderboard_grid(board), wide=args.wide)
     console.print(f"run directory: {run.path}\nleaderboard: evoengineer leaderboard {run.path}\n"
@@ -236,12 +289,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--study", help="study name to create or join in --storage: several searches (one per GPU or host, "
                    "each with its own run directory) given the same --storage and --study share one search")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir (default: the latest run of the space)")
-    p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    p.add_argument("--device", type=int, help="CUDA device index (default 0)")
+    p.add_argument("--devices", help="evaluate on several GPUs of this host at once: indices such as 0,1,2,3 or 'all' "
+                   "(one worker per GPU, one search, one study; with --replay, simulated devices)")
+    p.add_argument("--heartbeat", type=int, metavar="S",
+                   help=f"seconds between the heartbeats of running trials in the study (default {DEFAULT_HEARTBEAT_S}); "
+                        f"a trial silent for {GRACE_BEATS} heartbeats belongs to a dead search and is re-queued")
     p.add_argument("--retime-rounds", type=int, default=3, help="interleaved re-timing rounds for the finalists (default 3)")
     p.add_argument("--replay", help="answer from a recorded results file instead of a GPU (no compile, no GPU)")
     p.add_argument("--replay-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--wide", action="store_true", help=WIDE_HELP)
+    p.add_argument("--profile", action="store_true",
+                   help="print where the time went: per phase (strategy, compile, load, gate, timing, ipc, storage) "
+                        "the total, the mean per evaluation and the share of the wall time")
+    p.add_argument("--json", action="store_true", help="print the run's summary (as in run.json) and leaderboard as JSON")
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("runs", help="list search runs")

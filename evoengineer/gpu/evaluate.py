@@ -60,6 +60,10 @@ class EvalResult:
     cases: list[dict] = field(default_factory=list)
     objective_us: float | None = None
     eval_s: float = 0.0
+    phases: dict = field(default_factory=dict)
+    """Seconds per phase of this evaluation: load, gate, timing, ipc (worker side), and
+    strategy, compile, storage (the search loop's)."""
+    device: int | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -94,21 +98,34 @@ _KERNELS: dict[str, Any] = {}
 
 
 def handle(job: dict) -> dict:
-    """Worker entry point: ``job["kind"]`` is info, gate, time or sdpa."""
+    """Worker entry point: ``job["kind"]`` is info, gate, time or sdpa.
+
+    Gate and time answers carry ``phases``: seconds spent loading the module (``load``,
+    zero once loaded) and in the job itself (``gate`` or ``timing``).
+    """
     kind = job["kind"]
+    phase = {"gate": "gate", "time": "timing"}.get(kind, kind)
+    started = time.perf_counter()
+    loaded = started
     try:
         if kind == "info":
             return gpu_info()
         if kind == "sdpa":
             return _sdpa_job(job)
         launcher = _load_kernel(job["rendered"], job["cubin_path"])
+        loaded = time.perf_counter()
         if kind == "gate":
-            return _gate_job(launcher, job)
-        if kind == "time":
-            return _time_job(launcher, job)
-        raise ValueError(f"unknown job kind {kind!r}")
+            answer = _gate_job(launcher, job)
+        elif kind == "time":
+            answer = _time_job(launcher, job)
+        else:
+            raise ValueError(f"unknown job kind {kind!r}")
     except _KernelFault as exc:
-        return {"status": "launch_failed", "reason": str(exc), "worker_must_restart": True}
+        answer = {"status": "launch_failed", "reason": str(exc), "worker_must_restart": True}
+    if loaded == started:  # the load itself failed
+        loaded = time.perf_counter()
+    answer["phases"] = {"load": loaded - started, phase: time.perf_counter() - loaded}
+    return answer
 
 
 class _KernelFault(Exception):
@@ -392,6 +409,7 @@ class Evaluator:
         self.worker = worker or Worker(HANDLER, device=device)
         self._known_restarts = -1
         self._info: dict | None = None
+        self.phases: dict[str, float] = {}
         self.timing = {"warmup": space.timing.warmup, "repetitions": space.timing.repetitions, "flush_l2": space.timing.flush_l2}
 
     def close(self) -> None:
@@ -403,11 +421,22 @@ class Evaluator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def device(self) -> int | None:
+        return self.worker.device
+
     # -- jobs ------------------------------------------------------------------------
     def _run(self, job: dict, timeout_s: float) -> dict:
-        """Run one job; a dead or hung worker becomes a status."""
+        """Run one job; a dead or hung worker becomes a status. The worker's phase times
+        add up in ``self.phases``; the rest of the round trip counts as ``ipc``."""
         self._ensure_warm()
+        started = time.perf_counter()
         outcome = self.worker.run(job, timeout_s)
+        spent = time.perf_counter() - started
+        inside = outcome.value.get("phases", {}) if outcome.status == "ok" and isinstance(outcome.value, dict) else {}
+        for name, seconds in inside.items():
+            self.phases[name] = self.phases.get(name, 0.0) + seconds
+        self.phases["ipc"] = self.phases.get("ipc", 0.0) + max(0.0, spent - sum(inside.values()))
         if outcome.status == "ok":
             return outcome.value
         return {"status": outcome.status, "reason": outcome.message.strip().splitlines()[-1][:300] if outcome.message else outcome.status,
@@ -430,8 +459,14 @@ class Evaluator:
 
     def evaluate(self, config: Config, report: StaticReport | None = None) -> EvalResult:
         started = time.perf_counter()
+        self.phases = {}
+        if report is None and self.space.contains(config):
+            report = self.build(config)
+            self.phases["compile"] = time.perf_counter() - started
         result = self._evaluate(config, report)
         result.eval_s = round(time.perf_counter() - started, 3)
+        result.phases = {k: round(v, 4) for k, v in self.phases.items()}
+        result.device = self.device
         return result
 
     def _evaluate(self, config: Config, report: StaticReport | None) -> EvalResult:

@@ -26,6 +26,7 @@ from .tables import (
     grid_html,
     leaderboard_grid,
     print_grid,
+    profile_grid,
     runs_grid,
     search_summary_grid,
     spaces_grid,
@@ -35,6 +36,6 @@ __all__ = [
     "DISPATCH_RULE", "LEADERBOARD", "MODULE_NAME", "REPORT", "Column", "ExportError", "Grid", "PerShape", "Shape",
     "baseline_grid", "bench_grid", "build_leaderboard", "check_grid", "config_legend", "export_entry", "export_runs",
     "grid_html", "kernel_args", "leaderboard_csv", "leaderboard_grid", "load_leaderboard", "nearest", "parse_label",
-    "per_shape_table", "per_shape_winners", "print_grid", "runs_grid", "search_summary_grid", "shape_winners",
+    "per_shape_table", "per_shape_winners", "print_grid", "profile_grid", "runs_grid", "search_summary_grid", "shape_winners",
     "short_config", "spaces_grid", "write_report",
 ]

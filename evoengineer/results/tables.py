@@ -188,9 +188,26 @@ def search_summary_grid(summary: dict) -> Grid:
     grid.add("evaluations per minute", str(summary["evaluations_per_minute"]))
     share = summary.get("gpu_busy_share")
     grid.add("GPU-busy share", f"{share * 100:.0f}%" if share is not None else "-")
+    if summary.get("devices", 1) > 1:
+        grid.add("per device", " ".join(f"{d}:{n}" for d, n in summary["per_device"].items()))
     for status, count in summary["counts"].items():
         if count:
             grid.add(f"  {status}", str(count))
+    phases = {name: row for name, row in summary.get("phases", {}).items() if row["total_s"]}
+    if phases:
+        grid.add("ms per evaluation", "")
+        for name, row in phases.items():
+            grid.add(f"  {name}", f"{row['mean_ms']:.1f}")
+    return grid
+
+
+def profile_grid(summary: dict) -> Grid:
+    """Where the time went: per phase of an evaluation, the total, the mean per evaluation
+    and the share of the wall time (of the devices' time for a device's phases)."""
+    grid = Grid(f"where the time went ({summary['evaluated']} evaluations, {summary['elapsed_s']} s)",
+                [Column("phase", left=True), Column("total s"), Column("mean ms"), Column("share")])
+    for name, row in summary.get("phases", {}).items():
+        grid.add(name, f"{row['total_s']:.2f}", f"{row['mean_ms']:.1f}", f"{row['share'] * 100:.1f}%")
     return grid
 
 

@@ -2,7 +2,9 @@
 records them in an Optuna study, and replay of recorded measurements (no GPU)."""
 from __future__ import annotations
 
+from .ledger import Ledger
 from .loop import (
+    PHASES,
     RESULTS,
     RUN_META,
     CandidateEvaluator,
@@ -26,8 +28,10 @@ from .replay import (
     run_replay,
 )
 from .strategies import make_sampler, suggest_config
+from .study import DEFAULT_HEARTBEAT_S, GRACE_BEATS, make_storage, requeue_stale
 
 __all__ = [
+    "DEFAULT_HEARTBEAT_S", "GRACE_BEATS", "Ledger", "PHASES", "make_storage", "requeue_stale",
     "NOT_RECORDED", "RESULTS", "ReplayCandidates", "RUN_META", "CandidateEvaluator", "ReplayEvaluator", "ReplayResult", "RunDir",
     "SearchStats", "best_results", "counted_trials", "evaluations_to_reach", "geomean", "make_sampler",
     "open_study", "recover_interrupted", "replay_trial", "run_replay", "run_search", "suggest_config", "tell",

@@ -10,15 +10,16 @@ import json
 import math
 import multiprocessing
 import os
+import queue
 import secrets
 import shutil
+import threading
 import time
-from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import optuna
 import sqlalchemy.exc
@@ -26,7 +27,18 @@ import sqlalchemy.exc
 from ..gpu import STATUSES, EvalResult
 from ..kernels import StaticReport, build_config_job
 from ..space import Config, Space
+from .ledger import Ledger
 from .strategies import make_sampler, suggest_config
+from .study import (
+    DEFAULT_HEARTBEAT_S,
+    GRACE_BEATS,
+    Heartbeat,
+    finish_trial,
+    make_storage,
+    requeue,
+    requeue_stale,
+    store_params,
+)
 
 RESULTS = "results.jsonl"
 RUN_META = "run.json"
@@ -98,6 +110,15 @@ class RunDir:
                 (self.path / "sources" / f"{report.config.key()}-{build.variant.label()}.cu").write_text(build.rendered.source)
 
 
+PHASES = ("strategy", "compile", "load", "gate", "timing", "ipc", "storage")
+"""Where an evaluation's time goes: asking the strategy, waiting for its ahead-compiled
+build, loading the module in the worker, the gate, the timing, the worker round trips'
+remainder, and telling the study plus writing the record."""
+DEVICE_PHASES = ("compile", "load", "gate", "timing", "ipc", "idle")
+"""Phases spent on a device's lane (``idle``: the lane waited for a candidate); their share
+is of the devices' time (wall time times devices), the others' of the wall time."""
+
+
 @dataclass
 class SearchStats:
     started: float = field(default_factory=time.perf_counter)
@@ -105,49 +126,76 @@ class SearchStats:
     gpu_busy_s: float = 0.0
     counts: dict[str, int] = field(default_factory=lambda: {s: 0 for s in STATUSES})
     best: EvalResult | None = None
+    phases: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
+    devices: int = 1
+    per_device: dict[str, int] = field(default_factory=dict)
+    finished: float | None = None
 
     @property
     def elapsed_s(self) -> float:
-        return time.perf_counter() - self.started
+        return (self.finished or time.perf_counter()) - self.started
 
     def add(self, result: EvalResult) -> None:
         self.evaluated += 1
         self.counts[result.status] = self.counts.get(result.status, 0) + 1
         self.gpu_busy_s += result.eval_s
+        device = str(result.device if result.device is not None else 0)
+        self.per_device[device] = self.per_device.get(device, 0) + 1
         if result.ok and (self.best is None or result.objective_us < self.best.objective_us):
             self.best = result
 
+    def add_phases(self, phases: dict[str, float]) -> None:
+        for name, seconds in phases.items():
+            self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    def profile(self) -> dict[str, dict[str, float]]:
+        """Per phase: total seconds, mean milliseconds per evaluation, share of the wall time
+        (of the devices' time for the phases spent on a device's lane)."""
+        wall, n = self.elapsed_s, max(1, self.evaluated)
+        out = {}
+        for name, total in self.phases.items():
+            span = wall * (self.devices if name in DEVICE_PHASES else 1)
+            out[name] = {"total_s": round(total, 3), "mean_ms": round(1000 * total / n, 2),
+                         "share": round(total / span, 4) if span else 0.0}
+        return out
+
     def summary(self) -> dict:
-        minutes = self.elapsed_s / 60
+        wall = self.elapsed_s
+        device_s = wall * self.devices
         return {
             "evaluated": self.evaluated,
-            "elapsed_s": round(self.elapsed_s, 1),
-            "evaluations_per_minute": round(self.evaluated / minutes, 2) if minutes else None,
-            "gpu_busy_share": round(self.gpu_busy_s / self.elapsed_s, 3) if self.elapsed_s else None,
+            "elapsed_s": round(wall, 1),
+            "evaluations_per_minute": round(self.evaluated / (wall / 60), 2) if wall else None,
+            "devices": self.devices,
+            "per_device": dict(sorted(self.per_device.items())),
+            "gpu_busy_share": round(self.gpu_busy_s / device_s, 3) if device_s else None,
+            "overhead_ms_per_evaluation": round(1000 * (device_s - self.gpu_busy_s) / self.evaluated, 1) if self.evaluated else None,
             "counts": self.counts,
             "best": self.best.to_json() if self.best else None,
+            "phases": self.profile(),
         }
 
 
 def tell(study: optuna.Study, trial: optuna.Trial, result: EvalResult) -> None:
-    trial.set_user_attr("status", result.status)
-    trial.set_user_attr("config_key", result.key)
-    trial.set_user_attr("reason", result.reason[:500])
+    """Finish ``trial`` with ``result`` (one transaction on an RDB storage)."""
+    attrs = {"status": result.status, "config_key": result.key, **({"reason": result.reason[:500]} if result.reason else {})}
     if result.ok:
-        study.tell(trial, result.objective_us)
+        finish_trial(study, trial, optuna.trial.TrialState.COMPLETE, result.objective_us, attrs)
     else:
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        finish_trial(study, trial, optuna.trial.TrialState.FAIL, None, attrs)
 
 
 def open_study(space: Space, run: RunDir, *, strategy: str, seed: int | None, storage: str | None,
-               study_name: str | None, resume: bool) -> optuna.Study:
+               study_name: str | None, resume: bool, heartbeat_s: int | None = DEFAULT_HEARTBEAT_S) -> optuna.Study:
+    """Create (or with ``resume`` load) the run's study in ``storage`` (default: SQLite in the
+    run directory), with heartbeats of running trials every ``heartbeat_s`` seconds."""
     sampler = make_sampler(strategy, space, seed=seed)
-    storage = storage or run.default_storage()
+    url = storage or run.default_storage()
     name = study_name or run.path.name
     for attempt in range(6):
         try:
-            return optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
-                                       load_if_exists=resume)
+            return optuna.create_study(study_name=name, storage=make_storage(url, heartbeat_s), sampler=sampler,
+                                       direction="minimize", load_if_exists=resume)
         except sqlalchemy.exc.SQLAlchemyError:  # workers that start together race to create the storage's tables
             if attempt == 5:
                 raise
@@ -155,40 +203,322 @@ def open_study(space: Space, run: RunDir, *, strategy: str, seed: int | None, st
     raise AssertionError("unreachable")
 
 
+def _config_of(frozen: optuna.trial.FrozenTrial, space: Space) -> Config | None:
+    config = Config({k: frozen.params[k] for k in space.param_names if k in frozen.params})
+    return config if len(config) == len(space.param_names) else None
+
+
 def recover_interrupted(study: optuna.Study, run: RunDir, space: Space) -> int:
-    """Trials left RUNNING by a killed search: tell those whose result was recorded, and
-    fail-and-requeue the others so their configuration is evaluated exactly once."""
+    """After a kill: trials this run left RUNNING are told from their record if it was
+    written, else failed and re-queued once (the retry keeps their budget slot); results
+    told to the study but not yet written to ``results.jsonl`` are written from the study."""
+    ledger = Ledger(study)
     recorded = {r["key"]: r for r in run.results()}
     recovered = 0
     for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         if frozen.user_attrs.get("run", run.path.name) != run.path.name:
             continue  # another search sharing the study is evaluating it
-        config = Config({k: frozen.params[k] for k in space.param_names if k in frozen.params})
+        config = _config_of(frozen, space)
         trial = optuna.Trial(study, frozen._trial_id)
-        record = recorded.get(config.key()) if len(config) == len(space.param_names) else None
-        if record:
-            tell(study, trial, EvalResult(**{k: record[k] for k in EvalResult.__dataclass_fields__ if k in record}))
-        else:
-            trial.set_user_attr("status", "interrupted")
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            if len(config) == len(space.param_names):
-                study.enqueue_trial(config.to_dict(), skip_if_exists=False)
+        record = recorded.get(config.key()) if config is not None else None
+        try:
+            if record:
+                tell(study, trial, EvalResult(**{k: record[k] for k in EvalResult.__dataclass_fields__ if k in record}))
+            else:
+                if not ledger.mark_requeued(frozen.number, run.path.name):
+                    continue  # another search found it dead and re-queued it
+                trial.set_user_attr("status", "interrupted")
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                requeue(study, study._storage.get_trial(frozen._trial_id))
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # finished by another search meanwhile
         recovered += 1
+    for frozen in study.get_trials(deepcopy=False, states=_FINISHED):
+        status = frozen.user_attrs.get("status")
+        key = frozen.user_attrs.get("config_key")
+        if frozen.user_attrs.get("run") != run.path.name or status not in STATUSES or key in recorded:
+            continue
+        config = _config_of(frozen, space)
+        if config is None:
+            continue
+        run.append_result(EvalResult(config=config.to_dict(), key=key, status=status,
+                                     reason=frozen.user_attrs.get("reason", ""), objective_us=frozen.value))
+        recorded[key] = {}
     return recovered
 
 
-_COUNTED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.RUNNING)
+_FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+_COUNTED = (*_FINISHED, optuna.trial.TrialState.RUNNING)
 
 
 def counted_trials(study: optuna.Study) -> int:
-    """Evaluations that count against the budget: done or under way in any worker sharing
-    the study (interrupted ones and skipped duplicates do not)."""
-    return sum(1 for t in study.get_trials(deepcopy=False, states=_COUNTED) if t.user_attrs.get("status") != "interrupted")
+    """Evaluations that count against the budget: done (with a status) or under way in any
+    worker sharing the study; interrupted ones, trials of dead workers and skipped
+    duplicates do not. The search loop counts budget slots instead (``Ledger``)."""
+    return sum(1 for t in study.get_trials(deepcopy=False, states=_COUNTED)
+               if t.state == optuna.trial.TrialState.RUNNING or t.user_attrs.get("status") in STATUSES)
+
+
+# -- the loop -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Candidate:
+    """An asked trial on its way to a device: its configuration, build and budget slot."""
+
+    trial: optuna.Trial
+    config: Config
+    future: Future | None
+    slot: int
+    strategy_s: float
+
+
+class _Lanes:
+    """One thread per evaluator (one per device): take the next candidate, wait for its
+    build, evaluate it, hand the result back. Nothing here touches the study."""
+
+    def __init__(self, evaluators: Sequence[CandidateEvaluator]) -> None:
+        self.ready: queue.Queue[_Candidate | None] = queue.Queue()
+        self.done: queue.Queue[tuple[_Candidate, EvalResult | BaseException, StaticReport | None]] = queue.Queue()
+        self.idle_s = 0.0
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._lane, args=(i, ev), name=f"evoengineer-lane-{i}", daemon=True)
+                        for i, ev in enumerate(evaluators)]
+        for t in self.threads:
+            t.start()
+
+    def _lane(self, index: int, evaluator: CandidateEvaluator) -> None:
+        device = getattr(evaluator, "device", None)
+        while True:
+            waited = time.perf_counter()
+            candidate = self.ready.get()
+            with self._lock:
+                self.idle_s += time.perf_counter() - waited
+            if candidate is None:
+                return
+            report = None
+            try:
+                started = time.perf_counter()
+                report = candidate.future.result() if candidate.future is not None else None
+                compile_s = time.perf_counter() - started
+                result = evaluator.evaluate(candidate.config, report)
+                result.phases = {**result.phases, "compile": round(result.phases.get("compile", 0.0) + compile_s, 4)}
+                result.device = device if device is not None else index
+                self.done.put((candidate, result, report))
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop, which raises it
+                self.done.put((candidate, exc, report))
+
+    def take_back(self) -> list[_Candidate]:
+        """Candidates no lane has started."""
+        out = []
+        while True:
+            try:
+                candidate = self.ready.get_nowait()
+            except queue.Empty:
+                return out
+            if candidate is not None:
+                out.append(candidate)
+
+    def close(self, wait: bool = True) -> None:
+        for _ in self.threads:
+            self.ready.put(None)
+        if wait:
+            for t in self.threads:
+                t.join(timeout=60)
+
+
+class _Search:
+    """The loop's state: the study, its ledger, the budget, what is under way."""
+
+    def __init__(self, space: Space, run: RunDir, study: optuna.Study, budget: int, build: bool, arch: str) -> None:
+        self.space, self.run, self.study, self.budget = space, run, study, budget
+        self.build, self.arch = build, arch
+        self.ledger = Ledger(study)
+        self.heartbeat = Heartbeat(study)
+        self.name = run.path.name
+        self.in_flight: dict[int, _Candidate] = {}  # trial id -> candidate
+        self.full = len(self.ledger.slots()) >= budget  # every budget slot is taken
+        self.exhausted = False  # no configuration is left to propose
+        self.seen = {t.user_attrs.get("config_key") for t in study.get_trials(deepcopy=False, states=_FINISHED)
+                     if t.user_attrs.get("status") in STATUSES}
+        self._first_seen: dict[int, float] = {}
+        self._dead_since: dict[int, float] = {}
+        self._checked_stale = 0.0
+        self._probed = time.monotonic()
+        self._repeats = 0
+        self._maybe_queued = True
+        self._distributions = {p.name: optuna.distributions.CategoricalDistribution(list(p.values)) for p in space.params}
+
+    def _new_trial(self) -> int | None:
+        """A queued trial (a retry, an enqueued configuration) if one is waiting, else a new
+        one (created with this search's name in one transaction) unless the budget is full."""
+        storage = self.study._storage
+        if self._maybe_queued or self.full:
+            for waiting in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
+                try:
+                    if not storage.set_trial_state_values(waiting._trial_id, state=optuna.trial.TrialState.RUNNING):
+                        continue
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    continue
+                if not self.ledger.own_trial(waiting.number, self.name):
+                    continue  # another search popped it at the same time (SQLite has no row locks)
+                storage.set_trial_user_attr(waiting._trial_id, "run", self.name)
+                return waiting._trial_id
+            self._maybe_queued = False
+        if self.full:
+            return None
+        template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, user_attrs={"run": self.name})
+        return storage.create_new_trial(self.study._study_id, template_trial=template)
+
+    def _configure(self, trial: optuna.Trial, frozen: optuna.trial.FrozenTrial) -> Config:
+        """The trial's configuration: its parameters (a retry), its enqueued values, or the
+        strategy's proposal; stored in one transaction."""
+        names = self.space.param_names
+        for values in (frozen.params, frozen.system_attrs.get("fixed_params")):
+            if isinstance(values, dict) and all(n in values for n in names):
+                config = Config({n: values[n] for n in names})
+                break
+        else:
+            proposed = trial.relative_params  # the strategy proposes (and claims) a whole configuration
+            if not all(n in proposed for n in names):
+                return suggest_config(trial, self.space)
+            config = Config({n: proposed[n] for n in names})
+        if any(n not in frozen.params for n in names):
+            store_params(self.study, trial, dict(config), self._distributions)
+        return config
+
+    def ask(self, pool: ProcessPoolExecutor | None) -> _Candidate | None:
+        """Ask the strategy for the next trial, take its budget slot, submit its build.
+        None when no slot is free, the space is exhausted, or another search took the trial."""
+        started = time.perf_counter()
+        trial_id = self._new_trial()
+        if trial_id is None:
+            return None
+        trial = optuna.Trial(self.study, trial_id)
+        frozen = trial._cached_frozen_trial
+        system = frozen.system_attrs
+        self.heartbeat.add(trial._trial_id)
+        slot = None
+        retried = system.get("retry_history") or []
+        if retried:
+            slot = self.ledger.hand_over_slot(retried[-1], trial.number)
+        if slot is None:
+            slot = self.ledger.take_slot(self.budget, trial.number)
+            self.full = self.ledger.free_after == 0  # ask no new trial for nothing
+        if slot is None:
+            self._drop(trial, "over budget")
+            return None
+        config = self._configure(trial, frozen)
+        proposal = getattr(self.study.sampler, "proposal_for", lambda t: None)(trial)
+        if (proposal is not None and proposal.origin == "repeat") or config.key() in self.seen:
+            # every valid configuration is taken (or, for a retry, its dead trial was told after all):
+            # record the repeat, never time it; a retry's slot stays taken, by the evaluation it repeats
+            self._repeats += 1
+            self.exhausted = (proposal is not None and proposal.origin == "repeat") or self._repeats > 16
+            self._drop(trial, "duplicate", slot=None if retried else slot)
+            return None
+        self._repeats = 0
+        self.seen.add(config.key())
+        future = None
+        if self.build and pool is not None:
+            job = (self.space.template, config, self.space.variants, self.arch, self.space.target.smem_per_block)
+            future = pool.submit(build_config_job, job)
+        candidate = _Candidate(trial, config, future, slot, time.perf_counter() - started)
+        self.in_flight[trial._trial_id] = candidate
+        return candidate
+
+    def cancel(self, candidate: _Candidate) -> None:
+        """Give back a candidate no lane started (out of time): its slot and its configuration."""
+        if candidate.future is not None:
+            candidate.future.cancel()
+        self.in_flight.pop(candidate.trial._trial_id, None)
+        self.seen.discard(candidate.config.key())
+        self.ledger.release_config(candidate.config.key())
+        self._drop(candidate.trial, "cancelled", slot=candidate.slot)
+
+    def _drop(self, trial: optuna.Trial, status: str, slot: int | None = None) -> None:
+        self.heartbeat.discard(trial._trial_id)
+        if slot is not None:
+            self.ledger.release_slot(slot)
+        try:
+            finish_trial(self.study, trial, optuna.trial.TrialState.PRUNED, None, {"status": status})
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass
+
+    def record(self, candidate: _Candidate, result: EvalResult, report: StaticReport | None, stats: SearchStats) -> bool:
+        """Tell the study, then write the record (a kill in between is repaired on resume).
+        False when another search took the trial for dead meanwhile: its retry counts."""
+        started = time.perf_counter()
+        trial = candidate.trial
+        self.in_flight.pop(trial._trial_id, None)
+        self.heartbeat.discard(trial._trial_id)
+        if report is not None:
+            self.run.save_sources(report)
+        if self.heartbeat.enabled and self.ledger.requeued(trial.number):
+            return False
+        try:
+            tell(self.study, trial, result)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return False
+        result.phases = {**result.phases, "strategy": round(candidate.strategy_s, 4),
+                         "storage": round(time.perf_counter() - started, 4)}
+        self.run.append_result(result)
+        stats.add(result)
+        stats.add_phases({**result.phases, "storage": time.perf_counter() - started})
+        return True
+
+    def may_ask(self) -> bool:
+        """Whether a trial may be asked: a budget slot is free, or a retry waits in the queue."""
+        if self.exhausted:
+            return False
+        if self.full and time.monotonic() - self._probed > (self.heartbeat.interval or 1.0):
+            self._probed = time.monotonic()  # another search may have given a slot back
+            self.full = len(self.ledger.slots()) >= self.budget
+        return not self.full or self.queued()
+
+    def queued(self) -> bool:
+        return bool(self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
+
+    def check_stale(self, force: bool = False) -> None:
+        """Re-queue dead searches' trials (at most once per heartbeat interval)."""
+        interval = self.heartbeat.interval
+        if interval is None or (not force and time.monotonic() - self._checked_stale < interval):
+            return
+        self._checked_stale = time.monotonic()
+        requeue_stale(self.study, self.ledger, self.name)
+        self._maybe_queued = self._maybe_queued or self.queued()
+
+    def others_running(self) -> bool:
+        """Whether another search runs a trial that may still end or be found dead: with
+        heartbeats on, this search waits for those before it ends, to retry them if needed.
+        A running trial that records no heartbeat for a grace period belongs to a search that
+        died before its first one: it is re-queued like a stale one."""
+        interval = self.heartbeat.interval
+        if interval is None:
+            return False
+        if self.queued():
+            return True
+        running = [t._trial_id for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+                   if t._trial_id not in self.in_flight]
+        if not running:
+            return False
+        beating = self.ledger.heartbeats(running)
+        now, grace = time.monotonic(), GRACE_BEATS * interval
+        silent = [i for i in running if i not in beating and now - self._first_seen.setdefault(i, now) > grace]
+        dead = set(silent) | set(self.study._storage._get_stale_trial_ids(self.study._study_id))
+        if dead:
+            requeue_stale(self.study, self.ledger, self.name, silent)
+            self._maybe_queued = True
+        for trial_id in dead:
+            self._dead_since.setdefault(trial_id, now)
+        # a dead trial still running two grace periods on cannot be re-queued (whoever took it on
+        # died too): waiting for it would never end
+        return any(now - self._dead_since.get(i, now) <= 2 * grace for i in running)
 
 
 def run_search(
     space: Space,
-    evaluator: CandidateEvaluator,
+    evaluator: CandidateEvaluator | Sequence[CandidateEvaluator],
     run: RunDir,
     study: optuna.Study,
     *,
@@ -202,43 +532,63 @@ def run_search(
 ) -> SearchStats:
     """Evaluate until ``trials`` evaluations are recorded in the study (or time runs out).
 
-    The next ``prefetch`` candidates compile in parallel processes while the current one
-    is on the GPU. A configuration already recorded (same hash) is never timed again.
+    ``evaluator`` is one evaluator or one per device; each device gets a lane (a thread)
+    that evaluates one candidate after another. This thread asks the strategy ahead (up
+    to ``prefetch`` candidates beyond one per device), compiles them in parallel processes
+    while the devices work, and tells the study as results come back. The budget is
+    counted in budget slots of the study's ledger, so every search sharing the study stops
+    at exactly ``trials`` evaluations; a configuration is never evaluated twice.
     """
-    stats = SearchStats()
-    prefetch = prefetch or max(2, os.cpu_count() or 2)
-    valid_total = space.valid_size()
-    seen = {t.user_attrs.get("config_key") for t in study.get_trials(deepcopy=False)
-            if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) and t.user_attrs.get("status") != "interrupted"}
-    pending: deque[tuple[optuna.Trial, Config, Future | None]] = deque()
-    budget = min(trials, valid_total)
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=compile_workers or max(1, (os.cpu_count() or 2) - 1), mp_context=ctx) as pool:
+    evaluators = list(evaluator) if isinstance(evaluator, (list, tuple)) else [evaluator]
+    workers = compile_workers or max(1, (os.cpu_count() or 2) - 1)
+    if prefetch is None:
+        prefetch = workers + len(evaluators) if build else len(evaluators)
+    depth = len(evaluators) + max(0, prefetch)
+    valid = getattr(study.sampler, "valid", None)  # a SpaceSampler enumerates the space once, before the clock starts
+    search = _Search(space, run, study, min(trials, len(valid) if valid is not None else space.valid_size()), build, arch)
+    stats = SearchStats(devices=len(evaluators))
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) if build else None
+    lanes = _Lanes(evaluators)
+    failure: BaseException | None = None
+    try:
         while True:
             out_of_time = time_s is not None and stats.elapsed_s >= time_s
-            while not out_of_time and len(pending) < prefetch and counted_trials(study) < budget:
-                trial = study.ask()
-                trial.set_user_attr("run", run.path.name)
-                config = suggest_config(trial, space)
-                if config.key() in seen:  # every valid configuration is taken; record the repeat, never re-time it
-                    trial.set_user_attr("status", "duplicate")
-                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-                    continue
-                seen.add(config.key())
-                job = (space.template, config, space.variants, arch, space.target.smem_per_block)
-                pending.append((trial, config, pool.submit(build_config_job, job) if build else None))
-            if not pending:
+            if out_of_time:
+                for candidate in lanes.take_back():
+                    search.cancel(candidate)
+            else:
+                search.check_stale()
+                while len(search.in_flight) < depth and search.may_ask():
+                    candidate = search.ask(pool)
+                    if candidate is None:
+                        break  # no slot, nothing new, or another search took the queued trial: next round
+                    lanes.ready.put(candidate)
+            if not search.in_flight:
+                if out_of_time or search.exhausted or not search.others_running():
+                    break
+                time.sleep(min(1.0, search.heartbeat.interval or 1.0))  # wait for other searches' last trials
+                search.check_stale(force=True)
+                continue
+            try:
+                candidate, result, report = lanes.done.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if isinstance(result, BaseException):
+                failure = result
                 break
-            trial, config, future = pending.popleft()
-            report = future.result() if future is not None else None
-            if report is not None:
-                run.save_sources(report)
-            result = evaluator.evaluate(config, report)
-            run.append_result(result)
-            tell(study, trial, result)
-            stats.add(result)
-            if on_result:
+            if search.record(candidate, result, report, stats) and on_result:
                 on_result(result, stats)
+    finally:
+        stats.finished = time.perf_counter()
+        # after a failure or an interrupt, trials under way stay RUNNING: resume (or another
+        # search, once their heartbeats stop) re-queues them
+        lanes.close(wait=failure is None and not search.in_flight)
+        search.heartbeat.close()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        stats.add_phases({"idle": lanes.idle_s})
+    if failure is not None:
+        raise failure
     return stats
 
 

@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import optuna
 from optuna.trial import TrialState
@@ -112,16 +112,25 @@ def _result(obj: Mapping[str, Any], where: str) -> ReplayResult:
 class ReplayCandidates:
     """Answers from a recording instead of a GPU (tests, demos, strategy comparisons)."""
 
-    def __init__(self, path: Path, delay_s: float = 0.0) -> None:
-        self.replay = ReplayEvaluator(path)
+    def __init__(self, path: Path, delay_s: float = 0.0, device: int | None = None,
+                 replay: ReplayEvaluator | None = None) -> None:
+        self.replay = replay or ReplayEvaluator(path)
         self.delay_s = delay_s
+        self.device = device
+
+    def on_devices(self, devices: Sequence[int]) -> list["ReplayCandidates"]:
+        """One evaluator per simulated device, sharing this recording (evaluated in parallel,
+        one lane each, like GPUs)."""
+        return [ReplayCandidates(self.replay.path, self.delay_s, device=d, replay=self.replay) for d in devices]
 
     def evaluate(self, config: Config, report: StaticReport | None = None) -> EvalResult:
+        """The recorded result after ``delay_s`` (standing for the GPU's time, counted as ``timing``)."""
         started = time.perf_counter()
         time.sleep(self.delay_s)
         answer = self.replay.evaluate(config)
+        spent = time.perf_counter() - started
         return EvalResult(config=config.to_dict(), key=config.key(), status=answer.status, reason=answer.reason,
-                          objective_us=answer.objective_us, eval_s=round(time.perf_counter() - started, 3))
+                          objective_us=answer.objective_us, eval_s=round(spent, 3), phases={"timing": round(spent, 4)})
 
 
 

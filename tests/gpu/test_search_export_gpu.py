@@ -44,6 +44,11 @@ def test_search_leaderboard_export_on_gpu(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     results = [json.loads(l) for l in (run / "results.jsonl").read_text().splitlines()]
     assert len(results) == 4 and all(r["status"] == "ok" for r in results), results
+    for r in results:  # where each evaluation's time went, the worker's phases included
+        assert r["phases"]["gate"] > 0 and r["phases"]["timing"] > 0 and r["phases"]["load"] >= 0, r["phases"]
+        assert r["phases"]["gate"] + r["phases"]["timing"] + r["phases"]["load"] <= r["eval_s"] + 0.01
+    summary = json.loads((run / "run.json").read_text())["summary"]
+    assert summary["phases"]["timing"]["total_s"] > 0 and summary["phases"]["storage"]["total_s"] > 0
     env = json.loads((run / "env.json").read_text())
     assert env["gpu"] and env["sms"] > 0 and env["torch"]
     board = json.loads(cli("leaderboard", str(run), "--json", cwd=tmp_path).stdout)

@@ -3,10 +3,11 @@
 Every strategy proposes a whole configuration in ``sample_relative``. What the study
 already holds (finished trials, and running or waiting ones of other workers) is read
 back into a ``History`` so that a strategy never proposes a configuration twice while
-unseen valid ones remain. The proposal is written to the trial's system attributes at
-once (a *claim*), so that workers sharing a storage see it before the trial's parameters
-are stored; a worker that then finds another trial holding the same configuration
-proposes again.
+unseen valid ones remain. A proposal is *claimed* in the study's ledger (an insert that
+only one trial can win, on any RDB storage) before it is returned, so that two workers
+sharing a storage never take the same configuration; a proposal whose claim is lost is
+replaced. The proposal is also written to the trial's system attributes (``CLAIM_KEY``:
+origin and parents), where workers see it before the trial's parameters are stored.
 
 Randomness: each proposal draws from ``random.Random(f"{seed}:{trial number}")``, so a
 proposal is a function of the seed, the trial number and the study's history, and
@@ -26,11 +27,12 @@ from optuna.study import Study, StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from ...space import Config, Space
+from ..ledger import Ledger
 
 CLAIM_KEY = "evoengineer:proposal"
 """System attribute holding ``{"config": {...}, "origin": str, "parents": [key, ...]}``."""
 
-_CONFLICT_RETRIES = 3
+_CLAIM_TRIES = 64
 _REJECTION_TRIES = 32
 
 
@@ -165,7 +167,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         self._distributions = {p.name: CategoricalDistribution(list(p.values)) for p in space.params}
         self._valid: list[Config] | None = None
         self._valid_set: frozenset[Config] | None = None
-        self._proposals: dict[int, Config] = {}
+        self._proposals: dict[int, Proposal] = {}
         self._reader = HistoryReader(self._names)
         self._fallback = optuna.samplers.RandomSampler(seed=seed)
 
@@ -230,21 +232,35 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
             return {n: fixed[n] for n in search_space if n in fixed}
         self._rng = random.Random(f"{self._base_seed}:{trial.number}")
         history = self.history(study, exclude=trial.number)
-        proposal = self._propose_or_repeat(study, trial, history)
-        for attempt in range(1, _CONFLICT_RETRIES + 1):
-            self._claim(study, trial, proposal)
-            if proposal.origin == "repeat" or not self._taken_meanwhile(study, trial, proposal.config, history):
+        ledger = Ledger(study)
+        for attempt in range(1, _CLAIM_TRIES + 1):
+            proposal = self._propose_or_repeat(study, trial, history)
+            if proposal.origin == "repeat":
+                break
+            if ledger.atomic:
+                won = ledger.claim_config(proposal.config.key(), trial.number)
+            else:  # a storage without compare-and-set: claim, then look for another holder
+                self._claim(study, trial, proposal)
+                won = not self._taken_meanwhile(study, trial, proposal.config, history)
+            if won:
                 break
             history.seen.add(proposal.config)
             self._rng = random.Random(f"{self._base_seed}:{trial.number}:{attempt}")
-            proposal = self._propose_or_repeat(study, trial, history)
-        self._remember(trial, proposal.config)
+        else:  # every claim lost: nothing new could be had
+            proposal = Proposal(proposal.config, "repeat")
+        self._claim(study, trial, proposal)
+        self._remember(trial, proposal)
         return {n: proposal.config[n] for n in search_space if n in proposal.config}
+
+    def proposal_for(self, trial: FrozenTrial | optuna.trial.BaseTrial) -> Proposal | None:
+        """What this sampler proposed to ``trial`` (None for an enqueued or retried trial)."""
+        return self._proposals.get(trial._trial_id)
 
     def sample_independent(
         self, study: Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
     ) -> Any:
-        config = self._proposals.get(trial._trial_id)
+        proposal = self._proposals.get(trial._trial_id)
+        config = proposal.config if proposal is not None else None
         if config is not None and param_name in config:
             value = config[param_name]
             try:
@@ -277,7 +293,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
             for t in trials
         )
 
-    def _remember(self, trial: FrozenTrial, config: Config) -> None:
-        self._proposals[trial._trial_id] = config
+    def _remember(self, trial: FrozenTrial, proposal: Proposal) -> None:
+        self._proposals[trial._trial_id] = proposal
         while len(self._proposals) > 256:
             self._proposals.pop(next(iter(self._proposals)))

@@ -1,6 +1,8 @@
 """TPE: Optuna's multivariate Tree-structured Parzen Estimator, kept inside the valid set."""
 from __future__ import annotations
 
+import warnings
+
 from optuna.samplers import TPESampler
 from optuna.study import Study
 from optuna.trial import FrozenTrial
@@ -31,12 +33,15 @@ class TPESearchSampler(SpaceSampler):
             raise ValueError("n_startup_trials and max_retries must be >= 0")
         self.n_startup_trials = n_startup_trials
         self.max_retries = max_retries
-        self._tpe = TPESampler(
-            multivariate=True,
-            seed=seed,
-            n_startup_trials=n_startup_trials,
-            n_ei_candidates=n_ei_candidates,
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # constant_liar is experimental
+            self._tpe = TPESampler(
+                multivariate=True,
+                seed=seed,
+                n_startup_trials=n_startup_trials,
+                n_ei_candidates=n_ei_candidates,
+                constant_liar=True,  # trials asked ahead (still running) count as bad, so the next asks spread out
+            )
 
     def propose(self, study: Study, trial: FrozenTrial, history: History) -> Proposal:
         if len(history.complete) >= self.n_startup_trials:

@@ -1,0 +1,121 @@
+"""How a search scales over GPUs: the same space and budget on 1, 2 (and 4) GPUs.
+
+    python benchmarks/scaling.py --space h100 --trials 160                    # 1, 2, 4 GPUs (those present)
+    python benchmarks/scaling.py --space h100 --trials 160 --processes        # also: one process per GPU, one study
+    python benchmarks/scaling.py --space spaces/x.yaml --replay rec.jsonl --replay-delay 0.5 --gpus 1,2,4   # no GPU
+
+Each row is one `evoengineer search` (``--devices 0,..,N-1``; with ``--processes`` also N
+searches with ``--device i`` sharing one SQLite study), each with a fresh run directory
+and compile cache. The search loop's own time (run.json's summary) gives evaluations per
+minute; the process time (workers' start, SDPA baseline) is shown besides. Duplicates are
+configurations recorded more than once; the split is the evaluations per GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _gpus_present() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def _search(args: argparse.Namespace, run: Path, extra: list[str], cache: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "evoengineer", "search", "--space", args.space, "--trials", str(args.trials),
+           "--strategy", args.strategy, "--seed", str(args.seed), "--run-dir", str(run), "--retime-rounds", "0",
+           "--json", *extra]
+    if args.replay:
+        cmd += ["--replay", args.replay, "--replay-delay", str(args.replay_delay)]
+    env = {**os.environ, "EVOENGINEER_CACHE_DIR": str(cache)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=run.parent)
+
+
+def _finish(procs: list[subprocess.Popen], runs: list[Path], started: float, mode: str, gpus: int) -> dict:
+    summaries = []
+    for proc in procs:
+        out, err = proc.communicate()
+        if proc.returncode not in (0, 1):  # 1: no correct candidate, still a measurement
+            raise SystemExit(f"search failed ({mode}, {gpus} GPU(s)):\n{err.strip()[-2000:]}")
+        summaries.append(json.loads(out)["summary"])
+    wall = time.perf_counter() - started
+    keys = [json.loads(line)["key"] for run in runs if (run / "results.jsonl").exists()
+            for line in (run / "results.jsonl").read_text().splitlines() if line.strip().endswith("}")]
+    split: Counter[str] = Counter()
+    for i, s in enumerate(summaries):
+        for device, n in s.get("per_device", {str(i): s["evaluated"]}).items():
+            split[device if len(summaries) == 1 else str(i)] += n
+    evaluated = sum(s["evaluated"] for s in summaries)
+    loop_s = max(s["elapsed_s"] for s in summaries)
+    busy = [s.get("gpu_busy_share") for s in summaries if s.get("gpu_busy_share") is not None]
+    return {"mode": mode, "gpus": gpus, "evaluations": evaluated, "loop_s": loop_s, "process_s": round(wall, 1),
+            "evaluations_per_minute": round(60 * evaluated / loop_s, 1) if loop_s else None,
+            "duplicates": len(keys) - len(set(keys)), "split": dict(sorted(split.items())),
+            "gpu_busy_share": round(sum(busy) / len(busy), 3) if busy else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--space", default="h100")
+    ap.add_argument("--trials", type=int, default=160)
+    ap.add_argument("--strategy", default="evo")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpus", default="1,2,4", help="GPU counts to run (default 1,2,4; those above the GPUs present are skipped)")
+    ap.add_argument("--processes", action="store_true", help="also run N searches (one per GPU) sharing one SQLite study")
+    ap.add_argument("--replay", help="replay a recording instead of using GPUs (simulated devices)")
+    ap.add_argument("--replay-delay", type=float, default=0.5, help="seconds per replayed evaluation (default 0.5)")
+    ap.add_argument("--out", help="keep the run directories here (default: a temporary directory)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    present = 10**6 if args.replay else _gpus_present()
+    counts = [n for n in (int(x) for x in args.gpus.split(",")) if n <= present]
+    if not counts:
+        raise SystemExit(f"no GPU here ({present} present); --replay REC runs simulated devices")
+    root = Path(args.out or tempfile.mkdtemp(prefix="evo-scaling-"))
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n in counts:
+        devices = ",".join(str(i) for i in range(n))
+        run = root / f"devices-{n}"
+        started = time.perf_counter()
+        proc = _search(args, run, ["--devices", devices, "--quiet"], root / f"cache-devices-{n}")
+        rows.append(_finish([proc], [run], started, "--devices", n))
+        if args.processes and n > 1:
+            storage = f"sqlite:///{root / f'shared-{n}.db'}"
+            runs = [root / f"process-{n}-{i}" for i in range(n)]
+            started = time.perf_counter()
+            procs = [_search(args, r, ["--device", str(i), "--storage", storage, "--study", f"scaling-{n}", "--quiet"],
+                             root / f"cache-process-{n}") for i, r in enumerate(runs)]
+            rows.append(_finish(procs, runs, started, "processes", n))
+    base = next((r["evaluations_per_minute"] for r in rows if r["gpus"] == 1), None)
+    for r in rows:
+        r["speedup"] = round(r["evaluations_per_minute"] / base, 2) if base and r["evaluations_per_minute"] else None
+    if args.json:
+        print(json.dumps({"space": args.space, "trials": args.trials, "runs": str(root), "rows": rows}))
+        return
+    print(f"space {args.space}, budget {args.trials}, strategy {args.strategy}"
+          + (f", replay ({args.replay_delay:g} s per evaluation)" if args.replay else "") + f"; runs in {root}")
+    print(f"{'mode':<10}{'GPUs':>5}{'evals':>7}{'loop s':>8}{'proc s':>8}{'evals/min':>10}{'speed-up':>9}{'dups':>5}  split")
+    for r in rows:
+        split = " ".join(f"{d}:{k}" for d, k in r["split"].items())
+        print(f"{r['mode']:<10}{r['gpus']:>5}{r['evaluations']:>7}{r['loop_s']:>8.1f}{r['process_s']:>8.1f}"
+              f"{r['evaluations_per_minute']:>10.1f}{(r['speedup'] or 0):>8.2f}x{r['duplicates']:>5}  {split}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""A study's ledger: race-free claims that every search sharing the study sees alike.
+
+Each entry is a study system attribute. An RDB storage (SQLite, PostgreSQL, MySQL) keeps
+those under a unique (study, key) constraint, so inserting a key either creates it or fails
+for everybody but one inserter, whatever the isolation level: a compare-and-set across
+processes and hosts. In-memory storages live in one process, where a lock does the same.
+
+What the search keeps here (``evoengineer:`` keys):
+
+* ``slot:<i>`` -> ``{"trial": number}``: the budget. An evaluation takes one of the slots
+  ``0 .. budget-1`` before it starts; a retry of a dead worker's trial takes over its slot.
+* ``config:<hash>`` -> ``{"trial": number}``: a configuration is proposed to one trial only.
+* ``owner:<number>``: the one search that runs a trial taken from the queue.
+* ``requeued:<number>``: the one search that re-queues a dead worker's trial.
+
+A search killed between claiming a configuration and storing it in its trial leaves that
+configuration claimed and unevaluated (its retry proposes another one): the budget is still
+met, with one candidate fewer to choose from.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import optuna
+import sqlalchemy.exc
+
+PREFIX = "evoengineer:"
+_RETRIES = 8
+
+
+def rdb_backend(study: optuna.Study) -> optuna.storages.RDBStorage | None:
+    """The RDB storage under a study's (cached) storage, if it has one."""
+    storage = study._storage
+    backend = getattr(storage, "_backend", storage)
+    return backend if isinstance(backend, optuna.storages.RDBStorage) else None
+
+
+class Ledger:
+    """Insert-if-absent entries of one study (see the module's docstring)."""
+
+    _local_locks: dict[int, threading.Lock] = {}
+
+    def __init__(self, study: optuna.Study) -> None:
+        self.study = study
+        self._study_id = study._study_id
+        self._rdb = rdb_backend(study)
+        self.free_after = 0
+        key = id(study._storage)
+        self._lock = Ledger._local_locks.setdefault(key, threading.Lock())
+
+    @property
+    def atomic(self) -> bool:
+        """Whether ``insert`` is a compare-and-set for every process on the storage (RDB),
+        or at least within this process (in-memory storage)."""
+        return self._rdb is not None or isinstance(self.study._storage, optuna.storages.InMemoryStorage)
+
+    # -- entries --------------------------------------------------------------------
+    def insert(self, key: str, value: Any) -> bool:
+        """Create ``key`` with ``value``; False if it exists already."""
+        key = PREFIX + key
+        if self._rdb is None:
+            with self._lock:
+                if self.study._storage.get_study_system_attrs(self._study_id).get(key) is not None:
+                    return False
+                self.study._storage.set_study_system_attr(self._study_id, key, value)
+                return True
+        from optuna.storages._rdb import models
+
+        def add(session: Any) -> None:
+            session.add(models.StudySystemAttributeModel(study_id=self._study_id, key=key, value_json=json.dumps(value)))
+
+        try:
+            self._session(add)
+        except sqlalchemy.exc.IntegrityError:
+            return False
+        return True
+
+    def put(self, key: str, value: Any) -> None:
+        """Create or overwrite ``key`` (for entries only their holder writes)."""
+        self.study._storage.set_study_system_attr(self._study_id, PREFIX + key, value)
+
+    def delete(self, key: str) -> None:
+        key = PREFIX + key
+        if self._rdb is None:
+            with self._lock:
+                self.study._storage.set_study_system_attr(self._study_id, key, None)
+            return
+        from optuna.storages._rdb import models
+
+        model = models.StudySystemAttributeModel
+        self._session(lambda s: s.query(model).filter(model.study_id == self._study_id, model.key == key).delete())
+
+    def entries(self, prefix: str) -> dict[str, Any]:
+        """Every entry whose key starts with ``prefix`` (the key without the prefixes)."""
+        full = PREFIX + prefix
+        if self._rdb is None:
+            attrs = self.study._storage.get_study_system_attrs(self._study_id)
+            return {k[len(full):]: v for k, v in attrs.items() if k.startswith(full) and v is not None}
+        from optuna.storages._rdb import models
+
+        model = models.StudySystemAttributeModel
+        rows = self._session(lambda s: [(r.key, r.value_json) for r in s.query(model).filter(
+            model.study_id == self._study_id, model.key.like(full.replace("_", "\\_") + "%", escape="\\"))])
+        return {k[len(full):]: json.loads(v) for k, v in rows}
+
+    def get(self, key: str) -> Any:
+        """The entry ``key``, or None."""
+        key = PREFIX + key
+        if self._rdb is None:
+            return self.study._storage.get_study_system_attrs(self._study_id).get(key)
+        from optuna.storages._rdb import models
+
+        model = models.StudySystemAttributeModel
+        rows = self._session(lambda s: [r.value_json for r in s.query(model).filter(
+            model.study_id == self._study_id, model.key == key)])
+        return json.loads(rows[0]) if rows else None
+
+    def _session(self, work: Any) -> Any:
+        """Run ``work(session)`` in one transaction; a locked SQLite database is retried."""
+        assert self._rdb is not None
+        for attempt in range(_RETRIES):
+            session = self._rdb.scoped_session()
+            try:
+                out = work(session)
+                session.commit()
+                return out
+            except sqlalchemy.exc.IntegrityError:
+                session.rollback()
+                raise
+            except sqlalchemy.exc.OperationalError:
+                session.rollback()
+                if attempt == _RETRIES - 1:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
+            finally:
+                session.close()
+        raise AssertionError("unreachable")
+
+    # -- the budget -----------------------------------------------------------------------
+    def slots(self) -> dict[int, int | None]:
+        """Taken budget slots: index -> the trial number holding it."""
+        out = {}
+        for index, value in self.entries("slot:").items():
+            try:
+                out[int(index)] = value.get("trial") if isinstance(value, dict) else None
+            except ValueError:
+                continue
+        return out
+
+    def take_slot(self, budget: int, trial_number: int) -> int | None:
+        """The lowest free slot below ``budget`` for ``trial_number``; None when all are taken.
+        ``free_after`` then holds how many were still free at most."""
+        taken = set(self.slots())
+        for index in range(budget):
+            if index not in taken and self.insert(f"slot:{index}", {"trial": trial_number}):
+                self.free_after = sum(1 for i in range(index + 1, budget) if i not in taken)
+                return index
+            taken.add(index)
+        self.free_after = 0
+        return None
+
+    def hand_over_slot(self, from_trial: int, to_trial: int) -> int | None:
+        """Move ``from_trial``'s slot (a dead worker's trial) to its retry ``to_trial``."""
+        for index, holder in self.slots().items():
+            if holder == from_trial:
+                self.put(f"slot:{index}", {"trial": to_trial})
+                return index
+        return None
+
+    def release_slot(self, index: int) -> None:
+        self.delete(f"slot:{index}")
+
+    # -- configurations and trials ----------------------------------------------------
+    def claim_config(self, key: str, trial_number: int) -> bool:
+        return self.insert(f"config:{key}", {"trial": trial_number})
+
+    def release_config(self, key: str) -> None:
+        self.delete(f"config:{key}")
+
+    def own_trial(self, trial_number: int, run: str) -> bool:
+        """Become the one search that runs ``trial_number`` (taken from the study's queue)."""
+        return self.insert(f"owner:{trial_number}", {"run": run})
+
+    def mark_requeued(self, trial_number: int, by: str) -> bool:
+        """Become the one search that re-queues the dead trial ``trial_number``."""
+        return self.insert(f"requeued:{trial_number}", {"by": by})
+
+    def requeued(self, trial_number: int) -> bool:
+        return self.get(f"requeued:{trial_number}") is not None
+
+    def heartbeats(self, trial_ids: list[int]) -> set[int]:
+        """Which of ``trial_ids`` ever recorded a heartbeat (RDB storages only)."""
+        if self._rdb is None or not trial_ids:
+            return set()
+        from optuna.storages._rdb import models
+
+        model = models.TrialHeartbeatModel
+        return set(self._session(lambda s: [r.trial_id for r in s.query(model).filter(model.trial_id.in_(trial_ids))]))

@@ -1,0 +1,241 @@
+"""The study's storage as several searches share it: SQLite tuned for many small commits,
+heartbeats of running trials, and re-queuing the trials of a search that died.
+
+A search records a heartbeat for each of its running trials every ``heartbeat_s`` seconds
+(RDB storages). A running trial whose heartbeat is older than ``GRACE_BEATS`` intervals
+belongs to a dead search (killed, host lost): the first search to notice fails it and
+re-queues it exactly once (Optuna's ``RetryHeartbeatStaleTrialCallback``), and whichever
+search asks next evaluates it in the dead trial's budget slot.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+import warnings
+from typing import Any
+
+import optuna
+import sqlalchemy
+import sqlalchemy.exc
+
+from .ledger import Ledger
+
+DEFAULT_HEARTBEAT_S = 10
+GRACE_BEATS = 4
+MAX_RETRIES = 3
+"""A trial whose search died this many times running it is not re-queued again."""
+
+warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def retry_callback() -> Any:
+    """Optuna's callback that re-queues a stale trial (named RetryFailedTrialCallback before 4.9)."""
+    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls(max_retry=MAX_RETRIES)
+
+
+def make_storage(url: str, heartbeat_s: int | None = DEFAULT_HEARTBEAT_S) -> optuna.storages.RDBStorage:
+    """An RDB storage for ``url`` with heartbeats every ``heartbeat_s`` seconds (None: none).
+
+    SQLite runs in WAL mode with ``synchronous=NORMAL``: readers do not block the writer and
+    a commit does not wait for the disk, which a killed process cannot lose (a power cut
+    can lose the last commits). WAL needs the processes on one host: searches on several
+    hosts share a PostgreSQL (or MySQL) study instead.
+    """
+    sqlite = url.startswith("sqlite")
+    engine_kwargs: dict[str, Any] = {"connect_args": {"timeout": 60}} if sqlite else {"pool_pre_ping": True}
+    kwargs: dict[str, Any] = {}
+    if heartbeat_s:
+        params = inspect.signature(optuna.storages.RDBStorage).parameters
+        name = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
+        kwargs = {"heartbeat_interval": int(heartbeat_s), "grace_period": int(GRACE_BEATS * heartbeat_s), name: retry_callback()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+    if sqlite and ":memory:" not in url:
+        _tune_sqlite(storage)
+    return storage
+
+
+def _tune_sqlite(storage: optuna.storages.RDBStorage) -> None:
+    try:
+        with storage.engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+    except sqlalchemy.exc.OperationalError:  # another process holds a lock: it set WAL already, or will
+        pass
+
+    @sqlalchemy.event.listens_for(storage.engine, "connect")
+    def _connect(dbapi_connection: Any, record: Any) -> None:
+        dbapi_connection.execute("PRAGMA synchronous=NORMAL")
+
+    storage.engine.dispose()  # later connections get the pragma
+
+
+def heartbeat_enabled(study: optuna.Study) -> bool:
+    storage = study._storage
+    return callable(getattr(storage, "get_heartbeat_interval", None)) and storage.get_heartbeat_interval() is not None
+
+
+def heartbeat_interval(study: optuna.Study) -> float | None:
+    return float(study._storage.get_heartbeat_interval()) if heartbeat_enabled(study) else None
+
+
+class Heartbeat:
+    """Records a heartbeat for each running trial of this search, from its own thread."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        self.storage = study._storage
+        self.interval = heartbeat_interval(study)
+        self._ids: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval is not None
+
+    def add(self, trial_id: int) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            self._ids.add(trial_id)
+        self._beat(trial_id)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="evoengineer-heartbeat", daemon=True)
+            self._thread.start()
+
+    def discard(self, trial_id: int) -> None:
+        with self._lock:
+            self._ids.discard(trial_id)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        assert self.interval is not None
+        while not self._stop.wait(self.interval):
+            with self._lock:
+                ids = sorted(self._ids)
+            for trial_id in ids:
+                self._beat(trial_id)
+
+    def _beat(self, trial_id: int) -> None:
+        try:
+            self.storage.record_heartbeat(trial_id)
+        except Exception:  # noqa: BLE001 - a missed beat is retried next interval; grace covers several
+            pass
+
+
+def requeue(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
+    """Queue a retry of a failed (dead) trial with its parameters; the retry records which
+    trials it retries (``retry_history``), so it takes over their budget slot."""
+    callback = getattr(study._storage, "get_heartbeat_stale_trial_callback", lambda: None)() or retry_callback()
+    callback(study, copy.deepcopy(frozen))
+
+
+def requeue_stale(study: optuna.Study, ledger: Ledger, by: str, silent: list[int] = ()) -> int:
+    """Fail and re-queue, once across all searches, every running trial whose heartbeat went
+    stale (its search died), and the trials in ``silent`` (running, and without a heartbeat
+    for a grace period: their search died before the first one). Returns how many this
+    search re-queued."""
+    if not heartbeat_enabled(study):
+        return 0
+    storage = study._storage
+    done = 0
+    for trial_id in [*storage._get_stale_trial_ids(study._study_id), *silent]:
+        frozen = storage.get_trial(trial_id)
+        if frozen.state != optuna.trial.TrialState.RUNNING or not ledger.mark_requeued(frozen.number, by):
+            continue  # finished, or another search is on it
+        try:
+            storage.set_trial_state_values(trial_id, state=optuna.trial.TrialState.FAIL)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # its search told it after all
+        requeue(study, storage.get_trial(trial_id))
+        done += 1
+    return done
+
+
+# -- batched writes ------------------------------------------------------------------------
+# Optuna writes each parameter and attribute of a trial in its own transaction, each looking
+# the trial up again: an evaluation took some twenty commits. On an RDB storage the search
+# loop writes a trial's parameters in one transaction and its result (attributes, value,
+# state) in another, with Optuna's own table models; other storages take the
+# one-call-per-item path.
+
+
+def _batching(study: optuna.Study) -> optuna.storages.RDBStorage | None:
+    from .ledger import rdb_backend
+
+    rdb = rdb_backend(study)
+    return rdb if rdb is not None and hasattr(rdb, "scoped_session") and hasattr(rdb, "check_trial_is_updatable") else None
+
+
+def _transaction(rdb: optuna.storages.RDBStorage) -> Any:
+    from optuna.storages._rdb.storage import _create_scoped_session
+
+    return _create_scoped_session(rdb.scoped_session)
+
+
+def store_params(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any],
+                 distributions: dict[str, optuna.distributions.BaseDistribution]) -> None:
+    """Set the parameters of a running trial that it does not hold yet, all at once (as
+    ``suggest`` would, one by one)."""
+    rdb = _batching(study)
+    if rdb is None:
+        for name in params:
+            trial._suggest(name, distributions[name])
+        return
+    from optuna.distributions import distribution_to_json
+    from optuna.storages._rdb import models
+
+    with _transaction(rdb) as session:
+        row = models.TrialModel.find_or_raise_by_id(trial._trial_id, session)
+        rdb.check_trial_is_updatable(trial._trial_id, row.state)
+        have = {p.param_name for p in session.query(models.TrialParamModel).filter(models.TrialParamModel.trial_id == trial._trial_id)}
+        session.add_all([
+            models.TrialParamModel(trial_id=trial._trial_id, param_name=name, param_value=distributions[name].to_internal_repr(value),
+                                   distribution_json=distribution_to_json(distributions[name]))
+            for name, value in params.items() if name not in have
+        ])
+
+
+def finish_trial(study: optuna.Study, trial: optuna.Trial, state: optuna.trial.TrialState, value: float | None,
+                 user_attrs: dict[str, Any]) -> None:
+    """Write a trial's user attributes, value and final state in one transaction; raises
+    ``UpdateFinishedTrialError`` if the trial is finished already."""
+    rdb = _batching(study)
+    if rdb is None:
+        for key, item in user_attrs.items():
+            trial.set_user_attr(key, item)
+        if state == optuna.trial.TrialState.COMPLETE:
+            study.tell(trial, value)
+        else:
+            study.tell(trial, state=state)
+        return
+    import json
+    from datetime import datetime
+
+    from optuna.storages._rdb import models
+
+    attr = models.TrialUserAttributeModel
+    with _transaction(rdb) as session:
+        row = models.TrialModel.find_or_raise_by_id(trial._trial_id, session, for_update=True)
+        rdb.check_trial_is_updatable(trial._trial_id, row.state)
+        have = {a.key: a for a in session.query(attr).filter(attr.trial_id == trial._trial_id)}
+        for key, item in user_attrs.items():
+            if key in have:
+                have[key].value_json = json.dumps(item)
+            else:
+                session.add(attr(trial_id=trial._trial_id, key=key, value_json=json.dumps(item)))
+        if value is not None:
+            stored, kind = models.TrialValueModel.value_to_stored_repr(value)
+            session.add(models.TrialValueModel(trial_id=trial._trial_id, objective=0, value=stored, value_type=kind))
+        row.state = state
+        row.datetime_complete = datetime.now()

@@ -1,0 +1,45 @@
+"""The throughput benchmarks run without a GPU on replayed evaluations."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+RECORDING = REPO / "tests" / "data" / "replay_synthetic.jsonl"
+
+
+def _space(tmp_path: Path) -> Path:
+    header = json.loads(RECORDING.read_text().splitlines()[0])["header"]
+    path = tmp_path / "synthetic.yaml"
+    path.write_text(yaml.safe_dump(header["space_inline"], sort_keys=False))
+    return path
+
+
+def test_scaling_benchmark_on_simulated_devices(tmp_path: Path) -> None:
+    space = _space(tmp_path)
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "scaling.py"), "--space", str(space), "--replay", str(RECORDING),
+                           "--replay-delay", "0.25", "--trials", "12", "--gpus", "1,2", "--processes", "--out", str(tmp_path / "runs"),
+                           "--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)["rows"]
+    assert [(r["mode"], r["gpus"]) for r in rows] == [("--devices", 1), ("--devices", 2), ("processes", 2)]
+    for r in rows:
+        assert r["evaluations"] == 12 and r["duplicates"] == 0 and sum(r["split"].values()) == 12
+        assert len(r["split"]) == r["gpus"]
+    assert rows[1]["speedup"] > 1.5
+
+
+def test_overhead_benchmark(tmp_path: Path) -> None:
+    space = _space(tmp_path)
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "search_overhead.py"), "--space", str(space),
+                           "--trials", "10", "--delay", "0.05", "--devices", "2", "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)[0]
+    assert row["evaluations"] == 10 and row["devices"] == 2
+    assert 0 < row["gpu_busy_share"] <= 1 and row["overhead_ms_per_evaluation"] >= 0
+    assert row["phases_mean_ms"]["timing"] >= 50
