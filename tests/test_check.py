@@ -32,9 +32,9 @@ def _per_path_sample(space, per_path: int, seed: int = 0) -> list[Config]:
 
 
 @pytest.mark.parametrize("space_name", ["l4", "h100"])
-@pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_89", "sm_90", "sm_90a"])
 def test_every_path_of_shipped_spaces_compiles(space_name: str, arch: str) -> None:
-    space = load_space(space_name)
+    space = load_space(space_name).for_arch(arch)  # as check --arch: sm_90a-only paths need sm_90a
     for config in _per_path_sample(space, 2, seed=hash((space_name, arch)) % 1000):
         report = build_config(space.template, config, space.variants, arch)
         assert report.status == "compiled", (config.label(), report.error)
