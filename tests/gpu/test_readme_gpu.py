@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 def test_quick_start_as_typed(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the report needs matplotlib (the quick start installs .[test])")
     lines, python = quick_start()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     run = None
     for line in lines:
         if not line.startswith("evoengineer "):

@@ -41,7 +41,7 @@ CONFIG = "PATH=mma,BLOCK_M=64,BLOCK_N=64,WARPS=4,VEC=8,STAGES=2,Q_IN_REGS=1,P_IN
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "evoengineer", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=900)
 
 
