@@ -136,3 +136,20 @@ def _postgres_driver() -> str | None:
         if importlib.util.find_spec(module) is not None:
             return name
     return None
+
+
+SYNTHETIC_RECORDING = REPO / "tests" / "data" / "replay_synthetic.jsonl"
+"""A recorded search (a synthetic space) that replay searches answer from without a GPU."""
+
+
+@pytest.fixture
+def space_yaml(tmp_path: Path) -> Path:
+    """The synthetic recording's own space, written out as a YAML file."""
+    import json
+
+    import yaml
+
+    header = json.loads(SYNTHETIC_RECORDING.read_text().splitlines()[0])["header"]
+    path = tmp_path / "synthetic.yaml"
+    path.write_text(yaml.safe_dump(header["space_inline"], sort_keys=False))
+    return path

@@ -108,3 +108,12 @@ def load_module(directory: Path, name: str = "evo_attention"):
 import itertools as _itertools  # noqa: E402
 
 _COUNTER = _itertools.count()
+
+
+def recorded_keys(run: Path) -> list[str]:
+    """The configuration keys a run directory's results.jsonl holds, in order (a torn last line
+    left out; none before the run writes its first result)."""
+    path = run / "results.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["key"] for line in path.read_text().splitlines() if line.strip().endswith("}")]

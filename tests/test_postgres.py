@@ -3,7 +3,6 @@ claims that only one process wins, and a worker killed with SIGKILL whose runnin
 are found dead by their heartbeats, re-queued once and finished by the others."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,8 +12,7 @@ import time
 from pathlib import Path
 
 import optuna
-import pytest
-import yaml
+from run_fixtures import recorded_keys  # noqa: E402
 
 from evoengineer.gpu import STATUSES
 from evoengineer.search import Ledger, make_storage
@@ -23,17 +21,6 @@ DATA = Path(__file__).resolve().parent / "data"
 RECORDING = DATA / "replay_synthetic.jsonl"
 
 
-@pytest.fixture
-def space_yaml(tmp_path: Path) -> Path:
-    header = json.loads(RECORDING.read_text().splitlines()[0])["header"]
-    path = tmp_path / "synthetic.yaml"
-    path.write_text(yaml.safe_dump(header["space_inline"], sort_keys=False))
-    return path
-
-
-def _keys(run: Path) -> list[str]:
-    path = run / "results.jsonl"
-    return [json.loads(line)["key"] for line in path.read_text().splitlines() if line.strip().endswith("}")] if path.exists() else []
 
 
 def test_ledger_inserts_are_won_once_across_connections(postgres_url: str) -> None:
@@ -75,7 +62,7 @@ def test_four_workers_one_killed_share_a_postgres_study(tmp_path: Path, space_ya
         procs.append(subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     victim = procs[0]
     deadline = time.time() + 120
-    while len(_keys(tmp_path / "run0")) < 3:
+    while len(recorded_keys(tmp_path / "run0")) < 3:
         assert victim.poll() is None, victim.stderr.read()
         assert time.time() < deadline, "the first worker recorded nothing"
         time.sleep(0.05)
@@ -85,7 +72,7 @@ def test_four_workers_one_killed_share_a_postgres_study(tmp_path: Path, space_ya
         assert proc.wait(timeout=300) == 0, proc.stderr.read()
 
     runs = [tmp_path / f"run{i}" for i in range(4)]
-    keys = [k for run in runs for k in _keys(run)]
+    keys = [k for run in runs for k in recorded_keys(run)]
     assert len(keys) == len(set(keys)), "a configuration was evaluated twice"
     assert len(keys) == budget, f"{len(keys)} evaluations recorded for a budget of {budget}"
 
@@ -108,4 +95,4 @@ def test_four_workers_one_killed_share_a_postgres_study(tmp_path: Path, space_ya
         else:  # killed while asking: a new configuration, unless the budget was all taken by then
             assert retry.user_attrs.get("status") in (*STATUSES, "over budget")
     assert len(Ledger(study).slots()) == budget
-    assert all(len(_keys(run)) > 0 for run in runs[1:])
+    assert all(len(recorded_keys(run)) > 0 for run in runs[1:])

@@ -13,6 +13,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
+from run_fixtures import recorded_keys  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 RECORDING = DATA / "replay_synthetic.jsonl"
@@ -22,16 +23,6 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "evoengineer", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
-@pytest.fixture
-def space_yaml(tmp_path: Path) -> Path:
-    header = json.loads(RECORDING.read_text().splitlines()[0])["header"]
-    path = tmp_path / "synthetic.yaml"
-    path.write_text(yaml.safe_dump(header["space_inline"], sort_keys=False))
-    return path
-
-
-def _keys(run: Path) -> list[str]:
-    return [json.loads(line)["key"] for line in (run / "results.jsonl").read_text().splitlines() if line.strip().endswith("}")]
 
 
 def test_search_killed_with_sigkill_resumes_without_losing_or_repeating(tmp_path: Path, space_yaml: Path) -> None:
@@ -49,12 +40,12 @@ def test_search_killed_with_sigkill_resumes_without_losing_or_repeating(tmp_path
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    before = _keys(run)
+    before = recorded_keys(run)
     assert 12 <= len(before) < 40
 
     resumed = cli(*args, "--resume", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr + resumed.stdout
-    after = _keys(run)
+    after = recorded_keys(run)
     assert after[: len(before)] == before  # nothing lost
     assert len(after) == len(set(after)) == 40  # nothing repeated, budget honoured
 
@@ -138,11 +129,11 @@ def test_two_searches_share_one_study(tmp_path: Path, space_yaml: Path) -> None:
     ]
     for proc in procs:
         assert proc.wait(timeout=300) == 0, proc.stderr.read()
-    keys = _keys(tmp_path / "run1") + _keys(tmp_path / "run2")
+    keys = recorded_keys(tmp_path / "run1") + recorded_keys(tmp_path / "run2")
     assert len(keys) == len(set(keys)), "a configuration was evaluated twice"
     assert len(keys) == 40  # the budget is shared exactly
     # both take part (how evenly depends on when each process got going: they start seconds apart here)
-    assert len(_keys(tmp_path / "run1")) >= 8 and len(_keys(tmp_path / "run2")) >= 8
+    assert len(recorded_keys(tmp_path / "run1")) >= 8 and len(recorded_keys(tmp_path / "run2")) >= 8
     study = optuna.load_study(study_name="shared", storage=storage)
     done = [t for t in study.trials if t.user_attrs.get("status") in ("ok", "invalid", "compile_failed", "launch_failed",
                                                                        "incorrect", "crashed", "timeout")]
@@ -164,7 +155,7 @@ def test_one_search_on_several_devices(tmp_path: Path, space_yaml: Path) -> None
         done = cli("search", "--space", str(space_yaml), "--replay", str(RECORDING), "--trials", str(trials), "--strategy", "evo",
                    "--devices", devices, "--replay-delay", str(delay), "--run-dir", str(run), "--quiet", cwd=tmp_path)
         assert done.returncode == 0, done.stderr + done.stdout
-        keys = _keys(run)
+        keys = recorded_keys(run)
         assert len(keys) == len(set(keys)) == trials, f"{devices}: {len(keys)} records, {len(set(keys))} distinct"
         summary = _summary(run)
         n = len(devices.split(","))
@@ -200,7 +191,7 @@ def test_candidates_compile_ahead_and_their_sources_are_kept(tmp_path: Path, spa
     study = open_study(space, run, strategy="random", seed=3, storage=None, study_name=None, resume=False)
     stats = run_search(space, ReplayCandidates(RECORDING), run, study, arch="sm_90", trials=4, build=True, compile_workers=2)
     assert stats.evaluated == 4 and sum(stats.counts.values()) == 4
-    keys = _keys(run.path)
+    keys = recorded_keys(run.path)
     sources = sorted(p.name for p in (run.path / "sources").iterdir())
     assert sources == sorted(f"{k}-{v.label()}.cu" for k in keys for v in space.variants)
     assert all("LAUNCH" in (run.path / "sources" / name).read_text() for name in sources)
@@ -225,7 +216,7 @@ def test_search_restricted_to_one_shape_records_it_and_resumes_with_it(tmp_path:
     resumed = cli(*base, "--trials", "8", "--resume", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr + resumed.stdout
     assert json.loads((run / "run.json").read_text())["shapes"] == ["2,4,256,64"]
-    assert len(_keys(run)) == 8
+    assert len(recorded_keys(run)) == 8
 
     missing = cli("search", "--space", str(two), "--replay", str(RECORDING), "--shape", "9,9,9,64", "--quiet",
                   "--run-dir", str(tmp_path / "other"), cwd=tmp_path)
