@@ -5,10 +5,12 @@ A recording is JSONL, one result per line::
     {"config": {...}, "key": "...", "status": "ok", "reason": "", "objective_us": 41.2}
 
 with an optional first line ``{"header": {"space": "l4", "gpu": ...}}`` naming a built-in
-space, or ``{"header": {"space_inline": {...}}}`` carrying the space itself.
+space, or ``{"header": {"space_inline": {...}}}`` carrying the space itself. Other keys of a
+record (per-case times, ...) are ignored; a path ending in ``.gz`` is read through gzip.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import time
@@ -46,7 +48,8 @@ class ReplayEvaluator:
         self.path = Path(path)
         self.header: dict[str, Any] = {}
         self.records: dict[Config, ReplayResult] = {}
-        with self.path.open() as fh:
+        opener = gzip.open if self.path.suffix == ".gz" else open
+        with opener(self.path, "rt", encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
