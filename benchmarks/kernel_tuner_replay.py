@@ -45,6 +45,10 @@ EXCLUDED = {
     "hybrid_vndx": "over 2 minutes per run on a 208-configuration space",
 }
 DETERMINISTIC = {"brute_force"}
+# Evaluations a run may ask for, repeats of configurations already evaluated included, per
+# configuration of its budget: Kernel Tuner charges only new configurations, and some of its
+# strategies (greedy_ils on a 778-configuration space) revisit cached ones without end.
+REPEAT_CAP = 50
 
 _ERRORS = {"compile_failed": "CompilationFailedConfig", "invalid": "InvalidConfig"}
 
@@ -114,11 +118,12 @@ def run_strategy(cache: Path, space: Space, strategy: str, seed: int, budget: in
     random.seed(seed)
     np.random.seed(seed)
     options = {} if strategy in DETERMINISTIC else {"max_fevals": budget}
+    capped = _Capped(strategy, REPEAT_CAP * budget)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         results, _ = tune_kernel(
             space.name, "", PROBLEM_SIZE, [], {p.name: list(p.values) for p in space.params},
-            restrictions=[FunctionConstraint(is_valid)], strategy=strategy, strategy_options=options,
+            restrictions=[FunctionConstraint(is_valid)], strategy=capped, strategy_options=options,
             cache=str(cache), simulation_mode=True, quiet=True, verbose=False,
         )
     trace: list[float | None] = []
@@ -134,3 +139,50 @@ def run_strategy(cache: Path, space: Space, strategy: str, seed: int, budget: in
         ok = "__error__" not in result and isinstance(value, (int, float)) and not isinstance(value, bool)
         trace.append(float(value) if ok else None)
     return trace[:budget]
+
+
+class _Capped:
+    """Kernel Tuner's strategy ``name`` (its own ``tune``), stopped after ``cap`` evaluations
+    in all: the runner it is handed raises Kernel Tuner's own stop signal, which its
+    strategies catch to return what they evaluated so far."""
+
+    def __init__(self, name: str, cap: int) -> None:
+        from kernel_tuner.interface import strategy_map
+
+        if name not in strategy_map:
+            raise ValueError(f"unknown Kernel Tuner strategy {name!r}; expected one of: {', '.join(strategy_map)}")
+        self.name = name
+        self.module = strategy_map[name]
+        self.cap = cap
+
+    def tune(self, searchspace: Any, runner: Any, tuning_options: Any) -> list:
+        from kernel_tuner.util import StopCriterionReached
+
+        capped = _CappedRunner(runner, self.cap)
+        try:
+            return self.module.tune(searchspace, capped, tuning_options)
+        except StopCriterionReached:  # a strategy that does not catch it: what the runner returned
+            return capped.results
+
+
+class _CappedRunner:
+    """A Kernel Tuner runner that stops the search after ``cap`` evaluations."""
+
+    def __init__(self, runner: Any, cap: int) -> None:
+        self._runner = runner
+        self._left = cap
+        self.results: list = []
+
+    def run(self, parameter_space: Any, tuning_options: Any) -> list:
+        from kernel_tuner.util import StopCriterionReached
+
+        configs = list(parameter_space)
+        self._left -= len(configs)
+        if self._left < 0:
+            raise StopCriterionReached("evaluation cap (repeats included) reached")
+        out = self._runner.run(configs, tuning_options)
+        self.results.extend(r for r in out if r)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)

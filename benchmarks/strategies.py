@@ -16,7 +16,9 @@ Strategies:
   recordings' seed configurations are dropped (``--keep-seeds`` keeps them): they are known
   winners, and a benchmark of the search should not start from the answer.
 - Optuna's own samplers, unaware of the constraints (an invalid proposal is told as failed):
-  ``optuna-random``, ``optuna-tpe`` (Optuna's defaults) and ``optuna-nsga2`` (population 20).
+  ``optuna-random``, ``optuna-tpe`` (Optuna's defaults) and ``optuna-nsga2`` (population 20);
+  a sampler that proposes ``MAX_IDLE_ASKS`` invalid or evaluated configurations in a row is stuck
+  and its run ends there.
   ``optuna-gp`` (GPSampler) runs when named: it fits a Gaussian process on every proposal,
   invalid ones included, and takes minutes per run. Left out: CmaEsSampler and QMCSampler
   (they sample categorical parameters with their independent sampler, i.e. RandomSampler:
@@ -24,7 +26,8 @@ Strategies:
   NSGA-II), GridSampler and BruteForceSampler (exhaustive, as grid).
 - Kernel Tuner's strategies (``kt-NAME``, when ``kernel_tuner`` is installed: ``pip install
   -e '.[bench]'``), replayed in its simulation mode on a cache converted from the recording
-  (``kernel_tuner_replay.py``), each with its default options and ``max_fevals``.
+  (``kernel_tuner_replay.py``), each with its default options and ``max_fevals``; a run that
+  keeps revisiting cached configurations is stopped (``kernel_tuner_replay.REPEAT_CAP``).
 
 Per recording and strategy, over ``--seeds`` seeds: the evaluations to reach within 1%, 2% and
 5% of the recording's optimum (median and interquartile range, runs that never got there
@@ -84,7 +87,7 @@ OURS = tuple(SAMPLERS)
 OPTUNA = ("optuna-random", "optuna-tpe", "optuna-nsga2")
 OPTUNA_OPT_IN = ("optuna-gp",)
 DETERMINISTIC = {"grid", *(f"kt-{s}" for s in ktr.DETERMINISTIC)}
-MAX_IDLE_ASKS = 1000  # proposals in a row that are invalid or already evaluated: the sampler is stuck
+MAX_IDLE_ASKS = 300  # proposals in a row that are invalid or already evaluated: the sampler is stuck
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 

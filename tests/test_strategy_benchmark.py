@@ -40,7 +40,7 @@ def _load(name: str, file: str) -> ModuleType:
 
 bench = _load("bench_strategies", "strategies.py")
 record = _load("bench_record", "record.py")
-ktr = _load("kernel_tuner_replay", "kernel_tuner_replay.py")
+ktr = bench.ktr  # the module strategies.py replays Kernel Tuner with
 
 
 # -- the benchmark's core -------------------------------------------------------------------
@@ -120,6 +120,19 @@ def test_unknown_strategy_is_a_usage_error(tmp_path: Path) -> None:
     assert "Traceback" not in out.stderr
 
 
+def test_without_kernel_tuner_its_strategies_are_skipped_with_a_note(tmp_path: Path) -> None:
+    blocked = tmp_path / "kernel_tuner"
+    blocked.mkdir()
+    (blocked / "__init__.py").write_text("raise ImportError('not installed here')\n")
+    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{REPO}"}
+    out = subprocess.run([sys.executable, str(BENCH / "strategies.py"), "--recording", str(SMALL), "--seeds", "2",
+                          "--strategies", "evo,kt-random_sample", "--workers", "1", "--quiet"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "note: Kernel Tuner is not installed" in out.stdout and "kt-random_sample" not in out.stdout.split("note:")[0]
+    assert "evo *" in out.stdout
+
+
 # -- Kernel Tuner on our recordings ------------------------------------------------------------
 
 
@@ -140,6 +153,18 @@ def test_kernel_tuner_cache_replays_the_recording(tmp_path: Path) -> None:
         # a stochastic strategy stays inside the space and its budget
         sampled = ktr.run_strategy(cache, rec.space, "random_sample", seed=1, budget=30)
         assert len(sampled) == 30
+
+
+def test_kernel_tuner_runs_stop_at_the_repeat_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernel Tuner charges only new configurations; a run that keeps revisiting cached ones is
+    stopped after REPEAT_CAP evaluations per configuration of its budget, repeats included."""
+    pytest.importorskip("kernel_tuner")
+    rec = bench.load_recording(str(SMALL))
+    cache = ktr.write_cache(rec.replay, rec.space, tmp_path / "small.json")
+    assert len(ktr.run_strategy(cache, rec.space, "greedy_ils", seed=0, budget=100)) == 100
+    monkeypatch.setattr(ktr, "REPEAT_CAP", 1)
+    assert 0 < len(ktr.run_strategy(cache, rec.space, "greedy_ils", seed=0, budget=100)) < 100
+    assert ktr.run_strategy(cache, rec.space, "brute_force", seed=0, budget=100) == []  # one batch of 208 > 100
 
 
 # -- recordings from runs -----------------------------------------------------------------------
