@@ -59,18 +59,6 @@ def configs_from_leaderboards(runs: list[Path]) -> list[Config]:
     return list(picked.values())
 
 
-def short_name(config: dict) -> str:
-    """``mma 64x128 w4 st1 g4``: the path, its tile and the switches that are not at their usual value."""
-    name = f"{config['PATH']} {config['BLOCK_M']}x{config['BLOCK_N']} w{config['WARPS']}"
-    if config["PATH"] == "mma":
-        name += f" st{config.get('STAGES', 2)}" + (" q" if config.get("Q_IN_REGS") else "")
-        name += "" if config.get("P_IN_REGS", 1) else " p-smem"
-        name += " pad" if config.get("SMEM_LAYOUT") == "pad" else ""
-        name += f" split{config['SPLITS']}" if config.get("SPLITS", 1) > 1 else ""
-        name += f" g{config['KV_GROUPS']}" if config.get("KV_GROUPS", 1) > 1 else ""
-    return name
-
-
 def case_time(result: EvalResult, label: str) -> dict | None:
     return next((c for c in result.cases if c["label"] == label and c.get("time")), None)
 
@@ -174,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         status = f"{r.status} {r.reason}".strip()
         err = max((c.get("max_abs_err") or 0) for c in r.cases) if r.cases else "-"
-        console.print(f"{names[r.key]} {short_name(r.config)}: {Config(r.config).label()}  {status}  "
+        console.print(f"{names[r.key]} {Config(r.config).short_label()}: {Config(r.config).label()}  {status}  "
                       f"registers {r.resources.get('registers')}, smem {r.resources.get('smem')}, "
                       f"spills {r.resources.get('spill_bytes')}  gate max abs err {err}")
     if args.json:

@@ -274,7 +274,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "time each on the GPU, record everything in a run directory and an Optuna study, then re-time "
                        "the top-K interleaved with SDPA and write the leaderboard. Ctrl-C or a kill leaves a run that "
                        "--resume continues.")
-    p.add_argument("--space", required=True, help="space YAML path or built-in name (l4, h100)")
+    p.add_argument("--space", required=True, help="space YAML path or built-in name (l4, h100, h100-bf16; `evoengineer spaces` lists them)")
     p.add_argument("--strategy", choices=STRATEGIES, help="evo, tpe, random or grid (default: the space's)")
     p.add_argument("--trials", type=int, help="evaluation budget (default: the space's search.budget)")
     p.add_argument("--time", help="time budget such as 90s, 15m, 1h (default: the space's search.time)")
