@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
              for causal in (False, True)] or list(space.cases)
     configs = [Config.parse(c) for c in args.config]
     arch = arch_for_device("sm_%d%d" % torch.cuda.get_device_capability(), space.target.arch)
-    timing = {"flush_l2": True, "repetitions": space.timing.repetitions, "warmup": space.timing.warmup}
+    timing = {"flush_l2": True, "repetitions": space.timing.repetitions, "warmup": space.timing.warmup}  # every repetition
     console = Console(highlight=False, width=200)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 entry[side] = {"status": "incorrect", "reason": bad.reason}
                 continue
             raw = lambda q, k, v_, o, s, kern=kern: kern(q, k, v_, o, s, checked=False)  # noqa: E731
-            entry[side] = {"status": "ok", "us": time_launcher(raw, case, space.scale, timing, seed=0)["median_us"]}
+            entry[side] = {"status": "ok", "us": time_launcher(raw, case, space.scale, timing, seed=0)["time"]["median_us"]}
 
     table = Table(title=f"templates at {args.before} (before) and in the working tree (after) on {torch.cuda.get_device_name()}: "
                         "device µs, before -> after (before / after)")

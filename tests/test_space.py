@@ -61,6 +61,8 @@ def test_unknown_name_lists_builtins(tmp_path: Path) -> None:
         (lambda d: d["search"].update(time="ten minutes"), "search.time", "duration"),
         (lambda d: d["problem"]["shapes"][0].update(D=96), "problem.shapes[0].D", "head dim"),
         (lambda d: d["tolerances"].update(atol=-1), "tolerances.atol", "positive"),
+        (lambda d: d.setdefault("timing", {}).update(precision=-0.01), "timing.precision", ">= 0"),
+        (lambda d: d.setdefault("timing", {}).update(min_time_ms=20), "timing.min_time_ms", "unknown key"),
         (lambda d: d.pop("params"), "params", "missing"),
     ],
 )
@@ -208,3 +210,23 @@ def test_config_hash_and_parse() -> None:
     assert a.key() == Config.parse("PATH=wmma,BLOCK_M=64").key()
     assert a.key() != a.replace(BLOCK_M=32).key()
     assert {a: 1}[Config.parse(a.label())] == 1
+
+
+def test_timing_protocol_defaults_and_overrides(space_file) -> None:
+    default = load_space(space_file(lambda d: d.pop("timing", None))).timing
+    assert (default.min_repetitions, default.precision, default.repetitions) == (20, 0.002, 100)
+    custom = load_space(space_file(lambda d: d.update(timing={"repetitions": 50, "min_repetitions": 10, "precision": 0})))
+    assert custom.timing.protocol() == {"warmup": 10, "repetitions": 50, "min_repetitions": 10, "precision": 0.0, "flush_l2": True}
+
+
+def test_median_standard_error_separates_steady_from_noisy_samples() -> None:
+    import random
+
+    from evoengineer.gpu.timing import median_rel_stderr
+
+    draw = random.Random(0)
+    steady = [10 * (1 + draw.gauss(0, 0.002)) for _ in range(20)]   # a kernel's graph replays: ~0.3 % spread
+    noisy = [10 * (1 + draw.gauss(0, 0.03)) for _ in range(20)]
+    assert median_rel_stderr(steady) < 0.002 < median_rel_stderr(noisy)
+    assert median_rel_stderr(noisy * 9) < median_rel_stderr(noisy)   # more samples, a better-known median
+    assert median_rel_stderr([1.0, 2.0]) == float("inf")

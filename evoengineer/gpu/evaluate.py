@@ -251,54 +251,62 @@ def input_sets(case: Case, flush_l2: bool, seed: int) -> list[tuple[Any, Any, An
     return sets
 
 
-def timed_launch_writes_output(launcher: Callable[..., Any], case: Case, scale: float | None, atol: float, rtol: float, seed: int) -> str:
-    """Capture the launch in a CUDA graph, the way it is timed, poison the output, replay:
-    the output must be written by the replay. Work done on another stream, or only at
-    capture time, is not in the graph and leaves NaN behind."""
+def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None, timing: dict, seed: int,
+                  tolerance: tuple[float, float] | None = None) -> dict:
+    """Device time of ``launcher`` on ``case`` (``time_graph`` with the space's protocol):
+    ``{"status": "ok", "time": {...}}``.
+
+    With ``tolerance`` (atol, rtol) the timed graph must also do the work: after capture
+    every output is poisoned with NaN, and after the replays the first output must match
+    an eager launch on the same inputs (which the gate has checked) and every output must
+    be finite. Work done on another stream, or only at capture time, is not in the graph
+    and leaves NaN behind: ``{"status": "incorrect", "reason": ...}``.
+    """
     import torch
 
-    q, k, v = _random_inputs(case, seed)
-    ref = reference(q, k, v, case.causal, scale)
-    out = torch.empty_like(q)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        launcher(q, k, v, out, scale)
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, stream=stream):
-            launcher(q, k, v, out, scale)
-    except Exception as exc:  # noqa: BLE001
-        raise _KernelFault(f"launch could not be captured in a CUDA graph: {str(exc).splitlines()[0]}") from exc
-    torch.cuda.synchronize()
-    out.fill_(float("nan"))
-    torch.cuda.synchronize()
-    graph.replay()
-    _sync()
-    torch.cuda.synchronize()
-    reason, _, _ = check_output(out, ref, atol, rtol)
-    return f"timed launch did not produce the output on the launch stream: {reason}" if reason else ""
-
-
-def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None, timing: dict, seed: int) -> dict:
     from .timing import time_graph
 
     sets = input_sets(case, timing["flush_l2"], seed)
     ops = [lambda s=s: launcher(s[0], s[1], s[2], s[3], scale) for s in sets]
-    result = time_graph(ops, repetitions=timing["repetitions"], warmup=timing["warmup"])
+    expected = None
+    if tolerance is not None:
+        q, k, v, out = sets[0]
+        launcher(q, k, v, out, scale)
+        torch.cuda.synchronize()
+        expected = out.float()
+
+    def poison() -> None:
+        for s in sets:
+            s[3].fill_(float("nan"))
+
+    try:
+        result = time_graph(ops, repetitions=timing["repetitions"], warmup=timing["warmup"],
+                            min_repetitions=timing.get("min_repetitions"), precision=timing.get("precision", 0.0),
+                            after_capture=poison if expected is not None else None)
+    except _KernelFault:
+        raise
+    except Exception as exc:  # noqa: BLE001 - e.g. a capture refused: the context may be unusable, restart the worker
+        raise _KernelFault(f"timed launch failed (captured in a CUDA graph): {str(exc).splitlines()[0]}") from exc
     _sync()
-    return result.to_json()
+    torch.cuda.synchronize()
+    if expected is not None:
+        reason, _, _ = check_output(sets[0][3], expected, *tolerance)
+        unwritten = next((i for i, s in enumerate(sets) if not bool(torch.isfinite(s[3]).all())), None)
+        if not reason and unwritten is not None:
+            reason = f"output of input set {unwritten} not finite or never written"
+        if reason:
+            return {"status": "incorrect", "reason": f"timed launch did not produce the output on the launch stream: {reason}"}
+    return {"status": "ok", "time": result.to_json()}
 
 
 def _time_job(launcher: Any, job: dict) -> dict:
     case: Case = job["case"]
     seed = case_seed(job["seed"], job["key"], case)
     raw = lambda q, k, v, out, scale: launcher(q, k, v, out, scale, checked=False)  # noqa: E731
-    reason = timed_launch_writes_output(raw, case, job["scale"], job["atol"], job["rtol"], seed)
-    if reason:
-        return {"status": "incorrect", "reason": f"{case.label()}: {reason}"}
-    timed = time_launcher(raw, case, job["scale"], job["timing"], seed)
+    answer = time_launcher(raw, case, job["scale"], job["timing"], seed, tolerance=(job["atol"], job["rtol"]))
+    if answer["status"] != "ok":
+        return {"status": answer["status"], "reason": f"{case.label()}: {answer['reason']}"}
+    timed = answer["time"]
     return {"status": "ok", "time": timed, "tflops": case.flops() / (timed["median_us"] * 1e-6) / 1e12}
 
 
@@ -348,7 +356,8 @@ def _sdpa_job(job: dict) -> dict:
 def _time_ops(ops: Sequence[Callable[[], Any]], timing: dict) -> dict:
     from .timing import time_graph
 
-    return time_graph(ops, repetitions=timing["repetitions"], warmup=timing["warmup"]).to_json()
+    return time_graph(ops, repetitions=timing["repetitions"], warmup=timing["warmup"],
+                      min_repetitions=timing.get("min_repetitions"), precision=timing.get("precision", 0.0)).to_json()
 
 
 def gpu_info() -> dict:
@@ -410,7 +419,7 @@ class Evaluator:
         self._known_restarts = -1
         self._info: dict | None = None
         self.phases: dict[str, float] = {}
-        self.timing = {"warmup": space.timing.warmup, "repetitions": space.timing.repetitions, "flush_l2": space.timing.flush_l2}
+        self.timing = space.timing.protocol()
 
     def close(self) -> None:
         self.worker.close()
@@ -534,14 +543,15 @@ def fastest_sdpa(baseline: dict[str, dict]) -> dict[str, tuple[str, float]]:
 
 def retime(evaluator: Evaluator, reports: Sequence[StaticReport], rounds: int = 3, repetitions: int | None = None) -> dict:
     """Re-time finalists interleaved with each other and with SDPA's backends, ``rounds``
-    times, with more repetitions; per case the median of the rounds' medians.
+    times, with more repetitions and every one of them taken (no early stop); per case the
+    median of the rounds' medians.
 
     Returns ``{"candidates": {key: {label: time}}, "sdpa": {label: {backend: time}}}``.
     """
     import statistics
 
     space = evaluator.space
-    timing = {**evaluator.timing, "repetitions": repetitions or evaluator.timing["repetitions"] * 2}
+    timing = {**evaluator.timing, "repetitions": repetitions or evaluator.timing["repetitions"] * 2, "precision": 0.0}
     samples: dict[str, dict[str, list[float]]] = {r.config.key(): {} for r in reports}
     sdpa_samples: dict[str, dict[str, list[float]]] = {}
     failures: dict[str, str] = {}

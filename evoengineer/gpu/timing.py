@@ -7,6 +7,13 @@ host's dispatch time. To keep the L2 cache from serving the inputs, each launch 
 the graph works on the next of several input sets whose total size is at least
 twice the L2 (``flush_l2``). Candidate kernels and SDPA's backends are timed by
 this one function.
+
+Samples are taken until the median is known well enough: at least ``min_repetitions``,
+then in rounds of ten until the median's standard error (estimated from the
+interquartile range, 1.2533 * IQR / 1.349 / sqrt(n)) falls below ``precision`` times
+the median, or ``repetitions`` samples are in. A steady kernel (spread ~0.3 %) stops
+at ``min_repetitions``; a noisy one takes every repetition. ``precision=0`` always
+takes ``repetitions`` samples.
 """
 from __future__ import annotations
 
@@ -23,6 +30,8 @@ class DeviceTime:
     p80_us: float
     repetitions: int
     launches_per_sample: int
+    rel_stderr: float = 0.0
+
 
     @property
     def spread(self) -> float:
@@ -36,6 +45,7 @@ class DeviceTime:
             "p80_us": round(self.p80_us, 3),
             "repetitions": self.repetitions,
             "launches_per_sample": self.launches_per_sample,
+            "rel_stderr": round(self.rel_stderr, 5),
         }
 
 
@@ -44,6 +54,16 @@ def quantile(values: Sequence[float], q: float) -> float:
     pos = (len(ordered) - 1) * q
     lo, hi = math.floor(pos), math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def median_rel_stderr(samples: Sequence[float]) -> float:
+    """Standard error of the sample median over the median, from the interquartile range
+    (robust to the odd slow sample a context switch or a clock change leaves)."""
+    if len(samples) < 4:
+        return math.inf
+    median = statistics.median(samples)
+    sigma = (quantile(samples, 0.75) - quantile(samples, 0.25)) / 1.349
+    return 1.2533 * sigma / math.sqrt(len(samples)) / median if median > 0 else math.inf
 
 
 def input_sets_for_cold_l2(set_bytes: int, flush_l2: bool, l2_bytes: int | None = None, cap: int = 64) -> int:
@@ -65,11 +85,18 @@ def time_graph(
     target_sample_us: float = 500.0,
     max_launches: int = 256,
     max_total_ms: float = 3000.0,
+    min_repetitions: int | None = None,
+    precision: float = 0.0,
+    after_capture: Callable[[], object] | None = None,
 ) -> DeviceTime:
     """Median device time of one call of ``ops[i]`` (each op the same work on its own inputs).
 
     Calls rotate through ``ops``. A graph holds enough launches for one sample to take
-    about ``target_sample_us``; the first replays are warm-up.
+    about ``target_sample_us``; the first replays are warm-up. ``repetitions`` samples at
+    most, ``min_repetitions`` (default: all of them) at least, stopping in between once the
+    median's relative standard error is below ``precision``. ``after_capture`` runs after
+    the graph is captured and before its first replay (to poison outputs the replay must
+    write).
     """
     import torch
 
@@ -95,25 +122,35 @@ def time_graph(
     with torch.cuda.graph(graph, stream=stream):
         for i in range(launches):
             ops[i % len(ops)]()
+    if after_capture is not None:
+        after_capture()
     for _ in range(max(1, warmup)):
         graph.replay()
     torch.cuda.synchronize()
 
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repetitions)]
-    with torch.cuda.stream(stream):
-        for a, b in events:
-            a.record()
-            graph.replay()
-            b.record()
-    torch.cuda.synchronize()
-    samples = [a.elapsed_time(b) * 1e3 / launches for a, b in events]
+    first = repetitions if min_repetitions is None else max(5, min(repetitions, min_repetitions))
+    samples: list[float] = []
+    batch = first
+    while batch > 0:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batch)]
+        with torch.cuda.stream(stream):
+            for a, b in events:
+                a.record()
+                graph.replay()
+                b.record()
+        torch.cuda.synchronize()
+        samples += [a.elapsed_time(b) * 1e3 / launches for a, b in events]
+        if precision > 0 and median_rel_stderr(samples) <= precision:
+            break
+        batch = min(10, repetitions - len(samples))
     del graph
     return DeviceTime(
         median_us=statistics.median(samples),
         p20_us=quantile(samples, 0.2),
         p80_us=quantile(samples, 0.8),
-        repetitions=repetitions,
+        repetitions=len(samples),
         launches_per_sample=launches,
+        rel_stderr=median_rel_stderr(samples),
     )
 
 

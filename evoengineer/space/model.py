@@ -138,7 +138,13 @@ class Timing:
     repetitions: int = 100
     flush_l2: bool = True
     timeout_s: float = 10.0
-    min_time_ms: float = 20.0
+    min_repetitions: int = 20
+    precision: float = 0.002
+
+    def protocol(self) -> dict:
+        """What a timing job needs (``evoengineer.gpu.timing.time_graph``'s arguments)."""
+        return {"warmup": self.warmup, "repetitions": self.repetitions, "min_repetitions": self.min_repetitions,
+                "precision": self.precision, "flush_l2": self.flush_l2}
 
 
 @dataclass(frozen=True)
@@ -293,7 +299,7 @@ _TARGET_KEYS = ("name", "arch", "sms", "smem_per_block")
 _PROBLEM_KEYS = ("kind", "dtype", "scale", "shapes")
 _SHAPE_KEYS = ("B", "H", "H_KV", "S", "D", "causal")
 _TOL_KEYS = ("atol", "rtol", *DTYPES)
-_TIMING_KEYS = ("warmup", "repetitions", "flush_l2", "timeout_s", "min_time_ms")
+_TIMING_KEYS = ("warmup", "repetitions", "min_repetitions", "precision", "flush_l2", "timeout_s")
 _SEARCH_KEYS = ("strategy", "budget", "time", "top_k", "population", "seeds")
 _SUPPORTED_HEAD_DIMS = (64, 128)
 
@@ -392,7 +398,8 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
         repetitions=v.integer(tm.get("repetitions", 100), "timing.repetitions", minimum=1),
         flush_l2=v.boolean(tm.get("flush_l2", True), "timing.flush_l2"),
         timeout_s=v.number(tm.get("timeout_s", 10.0), "timing.timeout_s", positive=True),
-        min_time_ms=v.number(tm.get("min_time_ms", 20.0), "timing.min_time_ms", positive=True),
+        min_repetitions=v.integer(tm.get("min_repetitions", 20), "timing.min_repetitions", minimum=1),
+        precision=v.number(tm.get("precision", 0.002), "timing.precision", non_negative=True),
     )
 
     space = Space(
@@ -628,11 +635,13 @@ class _Validator:
             self.fail(key, f"expected an integer >= {minimum}, got {raw}")
         return raw
 
-    def number(self, raw: Any, key: str, positive: bool = False) -> float:
+    def number(self, raw: Any, key: str, positive: bool = False, non_negative: bool = False) -> float:
         if isinstance(raw, bool) or not isinstance(raw, (int, float)):
             self.fail(key, f"expected a number, got {_describe(raw)}")
         if positive and raw <= 0:
             self.fail(key, f"expected a positive number, got {raw}")
+        if non_negative and raw < 0:
+            self.fail(key, f"expected a number >= 0, got {raw}")
         return float(raw)
 
     def boolean(self, raw: Any, key: str) -> bool:

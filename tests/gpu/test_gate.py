@@ -167,6 +167,22 @@ def test_timing_one_kernel_twice_agrees_within_3_percent() -> None:
     assert case.flops() / (first.median_us * 1e-6) / 1e12 > 50  # a real FlashAttention rate, not launch overhead
 
 
+def test_adaptive_repetitions_stop_early_and_agree_with_all_of_them() -> None:
+    import torch
+
+    from evoengineer.gpu.evaluate import sdpa_op
+    from evoengineer.gpu.timing import time_graph
+
+    q, k, v = (torch.randn(4, 16, 2048, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    op = sdpa_op("flash", q, k, v, False, None)
+    time_graph([op], repetitions=100, warmup=10)  # settles the clocks
+    every = time_graph([op], repetitions=100, warmup=10)
+    early = time_graph([op], repetitions=100, warmup=10, min_repetitions=20, precision=0.002)
+    assert every.repetitions == 100 and 20 <= early.repetitions < 100, (every, early)
+    assert early.rel_stderr <= 0.002
+    assert abs(early.median_us - every.median_us) / every.median_us < 0.02, (every, early)
+
+
 def test_graph_time_of_sdpa_agrees_with_profiler_within_10_percent() -> None:
     import torch
 
@@ -190,7 +206,7 @@ def test_work_on_another_stream_is_rejected() -> None:
     code = """
 import torch
 from test_gate import CASE, gate, load, naive
-from evoengineer.gpu.evaluate import _KernelFault, timed_launch_writes_output
+from evoengineer.gpu.evaluate import _KernelFault, time_launcher
 kernel, _ = load(naive())
 side = torch.cuda.Stream()
 def sneaky(q, k, v, out, scale):
@@ -199,15 +215,16 @@ def sneaky(q, k, v, out, scale):
         kernel(q, k, v, out, scale)
 print("EAGER", gate(sneaky).status)
 torch.cuda.synchronize()
-print("HONEST", repr(timed_launch_writes_output(kernel, CASE, None, 2e-2, 2e-2, seed=7)))
+TIMING = {"flush_l2": True, "repetitions": 20, "warmup": 2, "min_repetitions": 5, "precision": 0.002}
+print("HONEST", time_launcher(kernel, CASE, None, TIMING, seed=7, tolerance=(2e-2, 2e-2))["status"])
 try:
-    print("TIMED", timed_launch_writes_output(sneaky, CASE, None, 2e-2, 2e-2, seed=7))
+    print("TIMED", time_launcher(sneaky, CASE, None, TIMING, seed=7, tolerance=(2e-2, 2e-2)))
 except _KernelFault as exc:  # the capture refused the foreign stream: rejected as launch_failed
     print("TIMED launch_failed", exc)
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "EAGER incorrect" in proc.stdout, proc.stdout
-    assert "HONEST ''" in proc.stdout, proc.stdout
+    assert "HONEST ok" in proc.stdout, proc.stdout
     timed = next(line for line in proc.stdout.splitlines() if line.startswith("TIMED"))
     assert "launch stream" in timed or "launch_failed" in timed, timed
