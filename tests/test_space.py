@@ -216,7 +216,8 @@ def test_timing_protocol_defaults_and_overrides(space_file) -> None:
     default = load_space(space_file(lambda d: d.pop("timing", None))).timing
     assert (default.min_repetitions, default.precision, default.repetitions) == (20, 0.002, 100)
     custom = load_space(space_file(lambda d: d.update(timing={"repetitions": 50, "min_repetitions": 10, "precision": 0})))
-    assert custom.timing.protocol() == {"warmup": 10, "repetitions": 50, "min_repetitions": 10, "precision": 0.0, "flush_l2": True}
+    assert custom.timing.protocol() == {"warmup": 10, "repetitions": 50, "min_repetitions": 10, "precision": 0.0,
+                                      "flush_l2": True, "race": 1.5}
 
 
 def test_median_standard_error_separates_steady_from_noisy_samples() -> None:

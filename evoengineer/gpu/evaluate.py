@@ -252,7 +252,7 @@ def input_sets(case: Case, flush_l2: bool, seed: int) -> list[tuple[Any, Any, An
 
 
 def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None, timing: dict, seed: int,
-                  tolerance: tuple[float, float] | None = None) -> dict:
+                  tolerance: tuple[float, float] | None = None, spent: dict[str, float] | None = None) -> dict:
     """Device time of ``launcher`` on ``case`` (``time_graph`` with the space's protocol):
     ``{"status": "ok", "time": {...}}``.
 
@@ -260,12 +260,14 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
     every output is poisoned with NaN, and after the replays the first output must match
     an eager launch on the same inputs (which the gate has checked) and every output must
     be finite. Work done on another stream, or only at capture time, is not in the graph
-    and leaves NaN behind: ``{"status": "incorrect", "reason": ...}``.
+    and leaves NaN behind: ``{"status": "incorrect", "reason": ...}``. ``spent`` gets the
+    host seconds per step (as ``time_graph``'s, plus inputs and check).
     """
     import torch
 
     from .timing import time_graph
 
+    started = time.perf_counter()
     sets = input_sets(case, timing["flush_l2"], seed)
     ops = [lambda s=s: launcher(s[0], s[1], s[2], s[3], scale) for s in sets]
     expected = None
@@ -274,6 +276,8 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
         launcher(q, k, v, out, scale)
         torch.cuda.synchronize()
         expected = out.float()
+    if spent is not None:
+        spent["inputs"] = spent.get("inputs", 0.0) + time.perf_counter() - started
 
     def poison() -> None:
         for s in sets:
@@ -282,7 +286,8 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
     try:
         result = time_graph(ops, repetitions=timing["repetitions"], warmup=timing["warmup"],
                             min_repetitions=timing.get("min_repetitions"), precision=timing.get("precision", 0.0),
-                            after_capture=poison if expected is not None else None)
+                            after_capture=poison if expected is not None else None, spent=spent,
+                            give_up_above_us=timing.get("give_up_above_us"))
     except _KernelFault:
         raise
     except Exception as exc:  # noqa: BLE001 - e.g. a capture refused: the context may be unusable, restart the worker
@@ -290,10 +295,13 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
     _sync()
     torch.cuda.synchronize()
     if expected is not None:
+        checked = time.perf_counter()
         reason, _, _ = check_output(sets[0][3], expected, *tolerance)
         unwritten = next((i for i, s in enumerate(sets) if not bool(torch.isfinite(s[3]).all())), None)
         if not reason and unwritten is not None:
             reason = f"output of input set {unwritten} not finite or never written"
+        if spent is not None:
+            spent["check"] = spent.get("check", 0.0) + time.perf_counter() - checked
         if reason:
             return {"status": "incorrect", "reason": f"timed launch did not produce the output on the launch stream: {reason}"}
     return {"status": "ok", "time": result.to_json()}
@@ -420,6 +428,7 @@ class Evaluator:
         self._info: dict | None = None
         self.phases: dict[str, float] = {}
         self.timing = space.timing.protocol()
+        self.best_case_us: dict[str, float] = {}   # per case label, the best median this evaluator timed (racing)
 
     def close(self) -> None:
         self.worker.close()
@@ -505,13 +514,17 @@ class Evaluator:
         timed: list[dict] = []
         for case in space.cases:
             build = report.build(case.variant)
+            best = self.best_case_us.get(case.label())
+            race = {"give_up_above_us": best * self.timing["race"]} if best and self.timing.get("race") else {}
             job = {"kind": "time", "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, "case": case,
-                   "timing": self.timing, **common, **_tolerance(space, case.dtype)}
+                   "timing": {**self.timing, **race}, **common, **_tolerance(space, case.dtype)}
             answer = self._run(job, space.timing.timeout_s)
             if answer["status"] != "ok":
                 return EvalResult(**base, status=answer["status"], reason=answer.get("reason", ""), resources=resources, cases=cases)
             gate = next((c for c in cases if c["label"] == case.label()), {})
             timed.append({**gate, "label": case.label(), "status": "ok", "time": answer["time"], "tflops": answer["tflops"]})
+        for c in timed:
+            self.best_case_us[c["label"]] = min(self.best_case_us.get(c["label"], math.inf), c["time"]["median_us"])
         objective = math.exp(sum(math.log(c["time"]["median_us"]) for c in timed) / len(timed))
         others = [c for c in cases if c["label"] not in {t["label"] for t in timed}]
         return EvalResult(**base, status="ok", resources=resources, cases=timed + others, objective_us=objective)

@@ -14,6 +14,12 @@ interquartile range, 1.2533 * IQR / 1.349 / sqrt(n)) falls below ``precision`` t
 the median, or ``repetitions`` samples are in. A steady kernel (spread ~0.3 %) stops
 at ``min_repetitions``; a noisy one takes every repetition. ``precision=0`` always
 takes ``repetitions`` samples.
+
+Racing (``give_up_above_us``): a kernel whose first five samples put its median above
+that bound (the search passes 1.5 times the best time seen on the case) stops there.
+Its median is still measured, on fewer samples; only precision is given up, on
+candidates that are not in the running. Warm-up replays stop after ``warmup`` replays
+or ~25 ms, whichever comes first, so a 5 ms kernel does not spend 50 ms warming up.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ class DeviceTime:
     repetitions: int
     launches_per_sample: int
     rel_stderr: float = 0.0
+    raced: bool = False
 
 
     @property
@@ -46,6 +53,7 @@ class DeviceTime:
             "repetitions": self.repetitions,
             "launches_per_sample": self.launches_per_sample,
             "rel_stderr": round(self.rel_stderr, 5),
+            **({"raced": True} if self.raced else {}),
         }
 
 
@@ -88,6 +96,9 @@ def time_graph(
     min_repetitions: int | None = None,
     precision: float = 0.0,
     after_capture: Callable[[], object] | None = None,
+    spent: dict[str, float] | None = None,
+    give_up_above_us: float | None = None,
+    max_warmup_ms: float = 25.0,
 ) -> DeviceTime:
     """Median device time of one call of ``ops[i]`` (each op the same work on its own inputs).
 
@@ -96,9 +107,21 @@ def time_graph(
     most, ``min_repetitions`` (default: all of them) at least, stopping in between once the
     median's relative standard error is below ``precision``. ``after_capture`` runs after
     the graph is captured and before its first replay (to poison outputs the replay must
-    write).
+    write). ``give_up_above_us``: stop after five samples whose median is above it.
+    ``spent``, if given, gets the host seconds of each step (eager, capture, warmup,
+    samples).
     """
+    import time
+
     import torch
+
+    clock = [time.perf_counter()]
+
+    def step(name: str) -> None:
+        now = time.perf_counter()
+        if spent is not None:
+            spent[name] = spent.get(name, 0.0) + now - clock[0]
+        clock[0] = now
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -117,20 +140,31 @@ def time_graph(
     rough_us = max(start.elapsed_time(end) * 1e3 / len(ops), 1.0)
     launches = max(len(ops), min(max_launches, math.ceil(target_sample_us / rough_us)))
     repetitions = max(5, min(repetitions, int(max_total_ms * 1e3 / (launches * rough_us))))
+    step("eager")
 
+    # capture_begin/end rather than ``torch.cuda.graph``, whose entry empties the caching
+    # allocator (and may collect garbage): the next inputs would pay cudaMalloc again.
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for i in range(launches):
-            ops[i % len(ops)]()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            for i in range(launches):
+                ops[i % len(ops)]()
+        finally:
+            graph.capture_end()
+    step("capture")
     if after_capture is not None:
         after_capture()
-    for _ in range(max(1, warmup)):
+    sample_ms = launches * rough_us / 1e3
+    for _ in range(max(1, min(warmup, math.ceil(max_warmup_ms / sample_ms)))):
         graph.replay()
     torch.cuda.synchronize()
+    step("warmup")
 
-    first = repetitions if min_repetitions is None else max(5, min(repetitions, min_repetitions))
+    at_least = repetitions if min_repetitions is None else max(5, min(repetitions, min_repetitions))
     samples: list[float] = []
-    batch = first
+    raced = False
+    batch = 5 if give_up_above_us is not None else at_least
     while batch > 0:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batch)]
         with torch.cuda.stream(stream):
@@ -140,10 +174,15 @@ def time_graph(
                 b.record()
         torch.cuda.synchronize()
         samples += [a.elapsed_time(b) * 1e3 / launches for a, b in events]
-        if precision > 0 and median_rel_stderr(samples) <= precision:
+        n = len(samples)
+        if give_up_above_us is not None and statistics.median(samples) > give_up_above_us and n < at_least:
+            raced = True
             break
-        batch = min(10, repetitions - len(samples))
+        if n >= at_least and precision > 0 and median_rel_stderr(samples) <= precision:
+            break
+        batch = at_least - n if n < at_least else min(10, repetitions - n)
     del graph
+    step("samples")
     return DeviceTime(
         median_us=statistics.median(samples),
         p20_us=quantile(samples, 0.2),
@@ -151,6 +190,7 @@ def time_graph(
         repetitions=len(samples),
         launches_per_sample=launches,
         rel_stderr=median_rel_stderr(samples),
+        raced=raced,
     )
 
 

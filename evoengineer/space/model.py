@@ -140,11 +140,14 @@ class Timing:
     timeout_s: float = 10.0
     min_repetitions: int = 20
     precision: float = 0.002
+    race: float = 1.5
 
     def protocol(self) -> dict:
-        """What a timing job needs (``evoengineer.gpu.timing.time_graph``'s arguments)."""
+        """What a timing job needs (``evoengineer.gpu.timing.time_graph``'s arguments, and
+        ``race``: the factor over the best time on a case past which a candidate stops at
+        five samples, 0 for never)."""
         return {"warmup": self.warmup, "repetitions": self.repetitions, "min_repetitions": self.min_repetitions,
-                "precision": self.precision, "flush_l2": self.flush_l2}
+                "precision": self.precision, "flush_l2": self.flush_l2, "race": self.race}
 
 
 @dataclass(frozen=True)
@@ -299,7 +302,7 @@ _TARGET_KEYS = ("name", "arch", "sms", "smem_per_block")
 _PROBLEM_KEYS = ("kind", "dtype", "scale", "shapes")
 _SHAPE_KEYS = ("B", "H", "H_KV", "S", "D", "causal")
 _TOL_KEYS = ("atol", "rtol", *DTYPES)
-_TIMING_KEYS = ("warmup", "repetitions", "min_repetitions", "precision", "flush_l2", "timeout_s")
+_TIMING_KEYS = ("warmup", "repetitions", "min_repetitions", "precision", "race", "flush_l2", "timeout_s")
 _SEARCH_KEYS = ("strategy", "budget", "time", "top_k", "population", "seeds")
 _SUPPORTED_HEAD_DIMS = (64, 128)
 
@@ -400,6 +403,7 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
         timeout_s=v.number(tm.get("timeout_s", 10.0), "timing.timeout_s", positive=True),
         min_repetitions=v.integer(tm.get("min_repetitions", 20), "timing.min_repetitions", minimum=1),
         precision=v.number(tm.get("precision", 0.002), "timing.precision", non_negative=True),
+        race=v.number(tm.get("race", 1.5), "timing.race", non_negative=True),
     )
 
     space = Space(
