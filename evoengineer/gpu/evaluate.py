@@ -280,6 +280,7 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
         spent["inputs"] = spent.get("inputs", 0.0) + time.perf_counter() - started
 
     def poison() -> None:
+        torch.cuda.synchronize()  # work the launcher queued elsewhere while capturing lands before the poison
         for s in sets:
             s[3].fill_(float("nan"))
 

@@ -263,12 +263,29 @@ def counted_trials(study: optuna.Study) -> int:
 
 
 @dataclass
+class _Build:
+    """A configuration's build, one compile job per variant (so the first candidate of a
+    search waits for one compile, not for all its variants in a row)."""
+
+    config: Config
+    arch: str
+    futures: tuple[Future, ...]
+
+    def result(self) -> StaticReport:
+        return StaticReport(self.config, self.arch, tuple(b for f in self.futures for b in f.result().builds))
+
+    def cancel(self) -> None:
+        for f in self.futures:
+            f.cancel()
+
+
+@dataclass
 class _Candidate:
     """An asked trial on its way to a device: its configuration, build and budget slot."""
 
     trial: optuna.Trial
     config: Config
-    future: Future | None
+    future: _Build | None
     slot: int
     strategy_s: float
 
@@ -289,6 +306,12 @@ class _Lanes:
 
     def _lane(self, index: int, evaluator: CandidateEvaluator) -> None:
         device = getattr(evaluator, "device", None)
+        warm = getattr(evaluator, "info", None)
+        if warm is not None:
+            try:
+                warm()  # start the GPU worker (torch import, CUDA context) while the first candidates compile
+            except Exception:  # noqa: BLE001 - a worker that cannot start fails its first evaluation, with a status
+                pass
         while True:
             waited = time.perf_counter()
             candidate = self.ready.get()
@@ -421,8 +444,9 @@ class _Search:
         self.seen.add(config.key())
         future = None
         if self.build and pool is not None:
-            job = (self.space.template, config, self.space.variants, self.arch, self.space.target.smem_per_block)
-            future = pool.submit(build_config_job, job)
+            future = _Build(config, self.arch, tuple(
+                pool.submit(build_config_job, (self.space.template, config, (variant,), self.arch, self.space.target.smem_per_block))
+                for variant in self.space.variants))
         candidate = _Candidate(trial, config, future, slot, time.perf_counter() - started)
         self.in_flight[trial._trial_id] = candidate
         return candidate
