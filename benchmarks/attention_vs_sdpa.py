@@ -74,14 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", default=",".join(REFERENCE_CALLS),
                         help="reference calls timed beside SDPA's backends (default: default,fa4; '' for none)")
     parser.add_argument("--shape", action="append", default=[], metavar="B,H,S,D",
-                        help="also measure this shape, full and causal (repeatable), e.g. 8,16,4096,128")
+                        help="also measure this shape, full and causal (repeatable), e.g. 8,16,4096,128; "
+                             "B,H,S/S_KV,D for a K/V length other than S, e.g. 8,32,1/4096,128 (decode)")
     args = parser.parse_args(argv)
 
     space = load_space(args.space)
     extra = []
     for text in args.shape:
-        b, h, seq, d = parse_shape(text)
-        extra += [Case(b, h, seq, d, causal, dtype=dtype) for dtype in space.dtypes for causal in (False, True)]
+        b, h, seq, d, seq_kv = parse_shape(text)
+        extra += [Case(b, h, seq, d, causal, dtype=dtype, seq_kv=seq_kv) for dtype in space.dtypes for causal in (False, True)]
     if extra:
         space = dataclasses.replace(space, cases=tuple(dict.fromkeys(space.cases + tuple(extra))))
     configs = [Config.parse(c) for c in args.config]
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     # A configuration valid only for one head dim (e.g. from a search restricted with --shape) is
     # measured on that head dim's shapes.
     dims = sorted({c.head_dim for c in space.cases})
-    spaces = [space] + [space.with_shapes(list(dict.fromkeys((c.batch, c.heads, c.seq, c.head_dim) for c in space.cases
+    spaces = [space] + [space.with_shapes(list(dict.fromkeys(c.shape for c in space.cases
                                                              if c.head_dim == d))) for d in dims]
     results = []
     with ExitStack() as stack:

@@ -48,15 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", action="append", required=True, help="a configuration NAME=VALUE,... (repeatable)")
     parser.add_argument("--space", default="h100", help="space whose shapes and tolerances to use (default h100)")
     parser.add_argument("--shape", action="append", default=[], metavar="B,H,S,D",
-                        help="time this shape, full and causal, instead of the space's shapes (repeatable)")
+                        help="time this shape, full and causal, instead of the space's shapes (repeatable); "
+                             "B,H,S/S_KV,D for a K/V length other than S, e.g. 8,32,1/4096,128")
     parser.add_argument("--json", type=Path, help="also write all figures to this file")
     args = parser.parse_args(argv)
 
     import torch
 
     space = load_space(args.space)
-    cases = [Case(*parse_shape(s), causal, dtype=dtype) for s in args.shape for dtype in space.dtypes
-             for causal in (False, True)] or list(space.cases)
+    cases = [Case(b, h, seq, d, causal, dtype=dtype, seq_kv=seq_kv) for b, h, seq, d, seq_kv in map(parse_shape, args.shape)
+             for dtype in space.dtypes for causal in (False, True)] or list(space.cases)
     configs = [Config.parse(c) for c in args.config]
     arch = arch_for_device("sm_%d%d" % torch.cuda.get_device_capability(), space.target.arch)
     timing = {"flush_l2": True, "repetitions": space.timing.repetitions, "warmup": space.timing.warmup}  # every repetition

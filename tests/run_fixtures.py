@@ -57,16 +57,17 @@ def _time(us: float) -> dict:
 
 
 def make_run(path: Path, times: dict[str, dict[Config, float]] | None = None, *, gpu: str = GPU,
-             sdpa: dict[str, float] | None = None, name: str = "handmade") -> Path:
+             sdpa: dict[str, float] | None = None, name: str = "handmade", space: dict | None = None) -> Path:
     """A finished run directory whose results carry per-case timings (``times``: label ->
-    config -> µs); the objective is the geometric mean over each configuration's cases."""
+    config -> µs); the objective is the geometric mean over each configuration's cases.
+    ``space``: the run's space document (default: ``space_doc(name)``)."""
     import math
 
     times = TIMES if times is None else times
     sdpa = SDPA if sdpa is None else sdpa
     path.mkdir(parents=True)
     (path / "sources").mkdir()
-    (path / "space.yaml").write_text(yaml.safe_dump(space_doc(name), sort_keys=False))
+    (path / "space.yaml").write_text(yaml.safe_dump(space if space is not None else space_doc(name), sort_keys=False))
     info = {"gpu": gpu, "arch": "sm_90", "sms": 132}
     flops = {}
     for label in times:

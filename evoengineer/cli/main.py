@@ -23,9 +23,9 @@ typical session:
   evoengineer report runs/<run>                    # one HTML page: progress, importances, per shape
   evoengineer export runs/<run> --out best/        # a module choosing a config per call
 
---space takes a YAML path or a built-in name (l4, h100, h100-bf16);
-spaces/NAME.yaml falls back to the built-in space NAME when no such file
-exists here.
+--space takes a YAML path or a built-in name (l4, h100, h100-bf16,
+h100-decode); spaces/NAME.yaml falls back to the built-in space NAME when no
+such file exists here.
 """
 
 

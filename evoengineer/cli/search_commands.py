@@ -274,14 +274,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "time each on the GPU, record everything in a run directory and an Optuna study, then re-time "
                        "the top-K interleaved with SDPA and write the leaderboard. Ctrl-C or a kill leaves a run that "
                        "--resume continues.")
-    p.add_argument("--space", required=True, help="space YAML path or built-in name (l4, h100, h100-bf16; `evoengineer spaces` lists them)")
+    p.add_argument("--space", required=True, help="space YAML path or built-in name (l4, h100, h100-bf16, h100-decode; `evoengineer spaces` lists them)")
     p.add_argument("--strategy", choices=STRATEGIES, help="evo, tpe, random or grid (default: the space's)")
     p.add_argument("--trials", type=int, help="evaluation budget (default: the space's search.budget)")
     p.add_argument("--time", help="time budget such as 90s, 15m, 1h (default: the space's search.time)")
     p.add_argument("--top-k", type=int, dest="top_k", help="finalists to re-time for the leaderboard (default: the space's)")
     p.add_argument("--seed", type=int, default=0, help="strategy and input seed (default 0)")
     p.add_argument("--shape", action="append", metavar="B,H,S,D",
-                   help="search only this shape of the space, full and causal (repeatable; default: every shape). "
+                   help="search only this shape of the space, full and causal (repeatable; default: every shape); "
+                        "B,H,S/S_KV,D names a shape whose K/V length differs, e.g. 8,32,1/4096,128 (decode). "
                         "One search per regime finds each its own winner, e.g. --shape 1,8,512,64 for the small, "
                         "latency-bound shape")
     p.add_argument("--run-dir", help="the run's directory (default runs/<date>-<space>-<id>/)")

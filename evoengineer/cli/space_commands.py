@@ -114,7 +114,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Render every valid configuration of a space (or --limit N sampled ones) for every "
                        "problem variant, compile it with NVRTC for the space's arch (or --arch), and report registers, "
                        "shared memory, spills and compile time. Exit 0 when nothing failed to compile.")
-    p.add_argument("--space", required=True, help="space YAML path or built-in name (l4, h100, h100-bf16; `evoengineer spaces` lists them)")
+    p.add_argument("--space", required=True, help="space YAML path or built-in name (l4, h100, h100-bf16, h100-decode; `evoengineer spaces` lists them)")
     p.add_argument("--arch", help="compile for this arch instead of the space's target (e.g. sm_89, sm_90)")
     p.add_argument("--limit", type=int, metavar="N", help="check N configurations sampled at random (default: all)")
     p.add_argument("--where", metavar="EXPR", help="only the configurations for which EXPR holds, an expression in the "

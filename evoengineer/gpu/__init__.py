@@ -8,6 +8,7 @@ imported only when a GPU job runs.
 from __future__ import annotations
 
 from .evaluate import (
+    EDGE_KV,
     EDGE_SEQS,
     HANDLER,
     REFERENCE_CALLS,
@@ -25,7 +26,7 @@ from .launch import AttentionKernel, LaunchError
 from .worker import Worker, WorkerOutcome, WorkerPool
 
 __all__ = [
-    "EDGE_SEQS", "HANDLER", "REFERENCE_CALLS", "SDPA_BACKENDS", "STATUSES", "AttentionKernel", "CaseResult", "EvalResult",
+    "EDGE_KV", "EDGE_SEQS", "HANDLER", "REFERENCE_CALLS", "SDPA_BACKENDS", "STATUSES", "AttentionKernel", "CaseResult", "EvalResult",
     "Evaluator", "LaunchError", "Worker", "WorkerOutcome", "WorkerPool", "fastest_sdpa", "gate_cases",
     "gpu_info", "retime",
 ]

@@ -28,6 +28,13 @@ shapes: one token, S not a multiple of any tile, S smaller than one tile."""
 EDGE_GQA = ((1, 4, 1, 1), (2, 8, 2, 77), (1, 4, 1, 257))
 """(batch, heads, K/V heads, seq) of the grouped-query edge shapes, gated on besides
 ``EDGE_SEQS`` when a variant's shapes include grouped-query attention."""
+EDGE_KV = ((2, 3, 1, 77), (1, 2, 1, 257), (1, 2, 5, 300))
+"""(batch, heads, seq, K/V length) of the edge shapes gated besides ``EDGE_SEQS`` (whose S = 1
+is one query over one key) when a variant's shapes have a K/V length other than their query
+length (decode): one query over K/V lengths that are not multiples of any tile, and a few
+queries over a longer cache."""
+EDGE_GQA_KV = ((2, 8, 2, 1, 77),)
+"""(batch, heads, K/V heads, seq, K/V length): grouped-query decode, gated where a variant has both."""
 HANDLER = "evoengineer.gpu.evaluate:handle"
 
 
@@ -74,14 +81,20 @@ class EvalResult:
 
 
 def gate_cases(space: Space, variant: Variant) -> list[Case]:
-    """The space's shapes of this variant plus the edge shapes (and grouped-query edge
-    shapes when the variant's shapes have fewer K/V heads than query heads)."""
+    """The space's shapes of this variant plus the edge shapes, grouped-query edge shapes when
+    the variant's shapes have fewer K/V heads than query heads, and K/V-length edge shapes when
+    they have a K/V length other than the query length (decode)."""
     cases = [c for c in space.cases if c.variant == variant]
     gqa = any(c.heads_kv != c.heads for c in cases)
+    kv_len = any(c.seq_kv != c.seq for c in cases)
     d, causal, dtype = variant.head_dim, variant.causal, variant.dtype
     cases += [Case(b, h, s, d, causal, dtype=dtype) for b, h, s in EDGE_SEQS]
     if gqa:
         cases += [Case(b, h, s, d, causal, heads_kv=kv, dtype=dtype) for b, h, kv, s in EDGE_GQA]
+    if kv_len:
+        cases += [Case(b, h, s, d, causal, dtype=dtype, seq_kv=skv) for b, h, s, skv in EDGE_KV]
+    if kv_len and gqa:
+        cases += [Case(b, h, s, d, causal, heads_kv=kv, dtype=dtype, seq_kv=skv) for b, h, kv, s, skv in EDGE_GQA_KV]
     return list(dict.fromkeys(cases))
 
 
@@ -155,14 +168,15 @@ def _sync(stream: Any = None) -> None:
 
 
 def _random_inputs(case: Case, seed: int) -> tuple[Any, Any, Any]:
-    """q (B, H, S, D), k and v (B, H_kv, S, D), standard normal in the case's dtype."""
+    """q (B, H, S, D), k and v (B, H_kv, S_kv, D), standard normal in the case's dtype."""
     import torch
 
     from .launch import torch_dtype
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dtype = torch_dtype(case.dtype)
-    shapes = [(case.batch, heads, case.seq, case.head_dim) for heads in (case.heads, case.heads_kv, case.heads_kv)]
+    shapes = [(case.batch, heads, seq, case.head_dim)
+              for heads, seq in ((case.heads, case.seq), (case.heads_kv, case.seq_kv), (case.heads_kv, case.seq_kv))]
     return tuple(torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for shape in shapes)  # type: ignore[return-value]
 
 
@@ -238,12 +252,17 @@ def _gate_job(launcher: Any, job: dict) -> dict:
     return {"status": results[-1]["status"] if results else "ok", "cases": results}
 
 
+def input_set_bytes(case: Case) -> int:
+    """Bytes of one input set: q and out (B, H, S, D), k and v (B, H_kv, S_kv, D), 16-bit elements."""
+    return 2 * 2 * case.batch * case.head_dim * (case.heads * case.seq + case.heads_kv * case.seq_kv)
+
+
 def input_sets(case: Case, flush_l2: bool, seed: int) -> list[tuple[Any, Any, Any, Any]]:
     import torch
 
     from .timing import input_sets_for_cold_l2
 
-    set_bytes = 2 * (case.heads + case.heads_kv) * case.batch * case.seq * case.head_dim * 2   # q, out, k, v: 16-bit
+    set_bytes = input_set_bytes(case)
     sets = []
     for i in range(input_sets_for_cold_l2(set_bytes, flush_l2)):
         q, k, v = _random_inputs(case, seed + 1000 + i)

@@ -290,8 +290,10 @@ def _decode_note(per: PerShape, dispatch: dict) -> dict:
         "measured_cases": measured,
         "configs": sorted({m["config"] for m in measured} | {e["config"] for e in examples}),
         "examples": examples,
-        "note": "q_len = 1 calls follow the same rule; a split-K/V configuration (SPLITS > 1: K/V split over CTAs, "
-                "then a combine launch with a workspace) measured on a decode case wins that case and serves decode calls",
+        "note": "q_len = 1 (decode) calls go to the nearest measured decode case (S_q = 1) of their variant where it has "
+                "any (a search of a decode space, e.g. h100-decode, exported with the prefill run), otherwise to the "
+                "nearest case; a split-K/V configuration (SPLITS > 1: K/V split over CTAs, then a combine launch with a "
+                "workspace) that wins a decode case serves the decode calls near it",
     }
 
 

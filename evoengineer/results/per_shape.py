@@ -5,7 +5,8 @@ configuration on each case of the space. For each case (dtype, B, H, H_kv, S_q, 
 causal) measured by any of the given runs, the configuration with the shortest median
 wins. The exported module dispatches a call to the winner of the *nearest* measured
 case of the same (dtype, head dim, causal): nearest in the L1 distance of the logs of
-(B*H, S_q, S_k, H/H_kv). A (dtype, head dim, causal) with no measured case gets the
+(B*H, S_q, S_k, H/H_kv); a decode call (S_q 1) looks only at the decode cases (S_q 1)
+where some were measured. A (dtype, head dim, causal) with no measured case gets the
 fallback configuration: the geometric-mean winner (rank 1) of the first run.
 """
 from __future__ import annotations
@@ -22,10 +23,12 @@ from ..search import RunDir, best_results
 from ..space import Case, Space, Variant, load_space
 
 DISPATCH_RULE = (
-    "a call (dtype, head_dim, causal, B, H, H_kv, S_q, S_k) runs the configuration that won the nearest "
-    "measured case of the same (dtype, head_dim, causal), nearest in the L1 distance of the natural logs of "
-    "(B*H, S_q, S_k, H/H_kv), ties to the earlier case in the table; a (dtype, head_dim, causal) without "
-    "measured cases runs the fallback configuration (the geometric-mean winner of the first run)"
+    "a call (dtype, head_dim, causal, B, H, H_kv, S_q, S_k; S_q the query length, S_k the K/V length) runs the "
+    "configuration that won the nearest measured case of the same (dtype, head_dim, causal), nearest in the L1 "
+    "distance of the natural logs of (B*H, S_q, S_k, H/H_kv), ties to the earlier case in the table; a decode call "
+    "(S_q = 1) looks only at the measured decode cases (S_q = 1) where the (dtype, head_dim, causal) has any; a "
+    "(dtype, head_dim, causal) without measured cases runs the fallback configuration (the geometric-mean winner "
+    "of the first run)"
 )
 DTYPES = ("fp16", "bf16")
 _DTYPE_ALIASES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "f16": "fp16",
@@ -67,7 +70,7 @@ class Shape:
 
     def label(self) -> str:
         heads = f"H{self.heads}" + (f"/{self.heads_kv}" if self.heads_kv != self.heads else "")
-        seq = f"S{self.seq_q}" if self.seq_q == self.seq_k else f"Sq{self.seq_q} Sk{self.seq_k}"
+        seq = f"S{self.seq_q}" if self.seq_q == self.seq_k else f"S{self.seq_q}/{self.seq_k}"
         return f"B{self.batch} {heads} {seq} D{self.head_dim}{' causal' if self.causal else ''} {self.dtype}"
 
 
@@ -81,12 +84,14 @@ def distance(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def nearest(cases: Sequence[tuple[Shape, str]], shape: Shape) -> str | None:
-    """The configuration of the nearest case of ``shape``'s variant (the module's rule, in Python)."""
+    """The configuration of the nearest case of ``shape``'s variant (the module's rule, in Python):
+    a decode shape (S_q 1) is matched against the variant's decode cases where it has any."""
     here = shape.point()
+    pool = [(index, case, config_id) for index, (case, config_id) in enumerate(cases) if case.variant_key == shape.variant_key]
+    if shape.seq_q == 1 and any(case.seq_q == 1 for _, case, _ in pool):
+        pool = [entry for entry in pool if entry[1].seq_q == 1]
     best: tuple[float, int, str] | None = None
-    for index, (case, config_id) in enumerate(cases):
-        if case.variant_key != shape.variant_key:
-            continue
+    for index, case, config_id in pool:
         d = distance(here, case.point())
         if best is None or (d, index) < best[:2]:
             best = (d, index, config_id)
@@ -107,8 +112,8 @@ def _space_dtype(space: Space) -> str:
 
 
 def case_shape(case: Case, space: Space) -> Shape:
-    """A space's case as a ``Shape``: the one place that reads ``Case`` fields (seq_q/seq_k,
-    heads_kv and dtype where the case has them; one ``S`` and ``H`` otherwise)."""
+    """A space's case as a ``Shape``: the one place that reads ``Case`` fields (``seq`` is S_q,
+    ``seq_kv`` S_k; heads_kv, seq_kv and dtype where the case has them, one ``S`` and ``H`` otherwise)."""
     seq = getattr(case, "seq", None)
     return Shape(
         dtype=canonical_dtype(getattr(case, "dtype", None) or getattr(getattr(case, "variant", None), "dtype", None)
@@ -117,7 +122,7 @@ def case_shape(case: Case, space: Space) -> Shape:
         heads=case.heads,
         heads_kv=int(getattr(case, "heads_kv", None) or case.heads),
         seq_q=int(getattr(case, "seq_q", None) or seq),
-        seq_k=int(getattr(case, "seq_k", None) or seq),
+        seq_k=int(getattr(case, "seq_kv", None) or getattr(case, "seq_k", None) or seq),
         head_dim=case.head_dim,
         causal=bool(case.causal),
     )
@@ -127,8 +132,9 @@ _TOKEN = re.compile(r"^(B|H|Hkv|S|Sq|Sk|D)(\d+)(?:/(\d+))?$")
 
 
 def parse_label(label: str, default_dtype: str = "fp16") -> Shape | None:
-    """A case label such as ``B4 H16 S2048 D64 causal``, ``B8 H32 Sq1 Sk4096 D128 bf16`` or
-    ``B2 H32/8 S2048 D128`` as a ``Shape``; None when it is not one."""
+    """A case label such as ``B4 H16 S2048 D64 causal``, ``B8 H32 S1/4096 D128 bf16`` (S_q 1,
+    S_k 4096; also written ``Sq1 Sk4096``) or ``B2 H32/8 S2048 D128`` as a ``Shape``; None when
+    it is not one."""
     dims: dict[str, int] = {}
     causal, dtype = False, _DTYPE_ALIASES.get(str(default_dtype).lower(), default_dtype)
     for token in label.split():
@@ -140,6 +146,10 @@ def parse_label(label: str, default_dtype: str = "fp16") -> Shape | None:
             dims[m.group(1)] = int(m.group(2))
             if m.group(1) == "H" and m.group(3):
                 dims["Hkv"] = int(m.group(3))
+            elif m.group(1) == "S" and m.group(3):
+                dims["Sq"], dims["Sk"] = int(m.group(2)), int(m.group(3))
+            elif m.group(3):
+                return None
         else:
             return None
     seq_q, seq_k = dims.get("Sq", dims.get("S")), dims.get("Sk", dims.get("S"))

@@ -2,7 +2,7 @@
 
 ``load_space`` reads and validates a space; ``Space`` enumerates its valid
 configurations, each a hashable ``Config``; ``Case`` and ``Variant`` describe the
-problem shapes (with K/V heads for grouped-query attention) and the compile-time
+problem shapes (with K/V heads for grouped-query attention and a K/V length for decode) and the compile-time
 variants (head dim, causal, dtype) a kernel is built for.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .model import (
     Target,
     Timing,
     Variant,
+    format_shape,
     load_space,
     parse_duration,
     parse_shape,
@@ -31,6 +32,6 @@ from .model import (
 
 __all__ = [
     "DEFAULT_TOLERANCES", "DTYPES", "STRATEGIES", "Case", "Config", "Constraint", "ExpressionError", "Param", "ParamValue", "SafeExpression",
-    "SearchSettings", "Space", "SpaceError", "Target", "Timing", "Variant", "load_space", "parse_duration",
+    "SearchSettings", "Space", "SpaceError", "Target", "Timing", "Variant", "format_shape", "load_space", "parse_duration",
     "parse_expression", "parse_shape", "parse_space", "resolve_space_path",
 ]

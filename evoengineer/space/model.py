@@ -68,8 +68,9 @@ class Target:
 
 @dataclass(frozen=True)
 class Case:
-    """One problem instance: batch, query heads, sequence length, head dim, causal, K/V heads
-    (grouped-query attention when fewer than ``heads``; ``None`` means ``heads``), dtype."""
+    """One problem instance: batch, query heads, query length ``seq``, head dim, causal, K/V heads
+    (grouped-query attention when fewer than ``heads``; ``None`` means ``heads``), dtype, and the
+    K/V length ``seq_kv`` (``None`` means ``seq``; decode is ``seq`` 1 over a long ``seq_kv``)."""
 
     batch: int
     heads: int
@@ -78,12 +79,17 @@ class Case:
     causal: bool
     heads_kv: int | None = None
     dtype: str = "fp16"
+    seq_kv: int | None = None
 
     def __post_init__(self) -> None:
         if self.heads_kv is None:
             object.__setattr__(self, "heads_kv", self.heads)
+        if self.seq_kv is None:
+            object.__setattr__(self, "seq_kv", self.seq)
         if self.heads_kv < 1 or self.heads % self.heads_kv:
             raise ValueError(f"K/V heads {self.heads_kv} must divide the query heads {self.heads}")
+        if self.seq < 1 or self.seq_kv < 1:
+            raise ValueError(f"sequence lengths must be >= 1, got S {self.seq}, S_KV {self.seq_kv}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
@@ -91,16 +97,31 @@ class Case:
     def variant(self) -> Variant:
         return Variant(self.head_dim, self.causal, self.dtype)
 
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """(B, H, S, D, S_KV): what ``--shape`` selects (``Space.with_shapes``)."""
+        return (self.batch, self.heads, self.seq, self.head_dim, self.seq_kv)
+
     def label(self) -> str:
-        """``B1 H8 S512 D64 causal``; GQA shows the K/V heads (``H32/8``), bf16 adds `` bf16``."""
+        """``B1 H8 S512 D64 causal``; GQA shows the K/V heads (``H32/8``), a K/V length other than
+        the query length follows it (``S1/4096``), bf16 adds `` bf16``."""
         heads = f"{self.heads}" if self.heads_kv == self.heads else f"{self.heads}/{self.heads_kv}"
-        return (f"B{self.batch} H{heads} S{self.seq} D{self.head_dim}{' causal' if self.causal else ''}"
+        seq = f"{self.seq}" if self.seq_kv == self.seq else f"{self.seq}/{self.seq_kv}"
+        return (f"B{self.batch} H{heads} S{seq} D{self.head_dim}{' causal' if self.causal else ''}"
                 f"{'' if self.dtype == 'fp16' else ' ' + self.dtype}")
 
     def flops(self) -> float:
-        """Matmul FLOPs of the forward pass (QK^T and PV), halved for causal."""
-        full = 4.0 * self.batch * self.heads * self.seq * self.seq * self.head_dim
-        return full / 2 if self.causal else full
+        """Matmul FLOPs of the forward pass (QK^T and PV) over the (query, key) pairs attended:
+        S * S_KV, or with causal (top-left aligned, as SDPA) S^2 / 2 when S <= S_KV and
+        S_KV^2 / 2 + (S - S_KV) * S_KV when S > S_KV (half of S^2 when they are equal)."""
+        sq, sk = self.seq, self.seq_kv
+        if not self.causal:
+            pairs = float(sq) * sk
+        elif sq <= sk:
+            pairs = sq * sq / 2.0
+        else:
+            pairs = sk * sk / 2.0 + float(sq - sk) * sk
+        return 4.0 * self.batch * self.heads * pairs * self.head_dim
 
 
 @dataclass(frozen=True)
@@ -198,14 +219,16 @@ class Space:
                 return p
         raise KeyError(name)
 
-    def with_shapes(self, shapes: Sequence[tuple[int, int, int, int]]) -> "Space":
-        """This space restricted to the cases whose (B, H, S, D) is in ``shapes`` (full and causal)."""
-        have = [(c.batch, c.heads, c.seq, c.head_dim) for c in self.cases]
+    def with_shapes(self, shapes: Sequence[Sequence[int]]) -> "Space":
+        """This space restricted to the cases whose (B, H, S, D, S_KV) is in ``shapes`` (full and
+        causal); a shape of four numbers (B, H, S, D) means S_KV = S."""
+        have = [c.shape for c in self.cases]
+        wanted = {_shape_key(s) for s in shapes}
         for shape in shapes:
-            if tuple(shape) not in have:
-                listed = ", ".join(dict.fromkeys(",".join(map(str, h)) for h in have))
-                raise SpaceError(self.path, "problem.shapes", f"no shape {','.join(map(str, shape))} (B,H,S,D) in this space; it has {listed}")
-        wanted = {tuple(s) for s in shapes}
+            if _shape_key(shape) not in have:
+                listed = ", ".join(dict.fromkeys(format_shape(h) for h in have))
+                raise SpaceError(self.path, "problem.shapes", f"no shape {format_shape(shape)} (B,H,S,D or B,H,S/S_KV,D) "
+                                 f"in this space; it has {listed}")
         return replace(self, cases=tuple(c for c, h in zip(self.cases, have) if h in wanted))
 
     @property
@@ -300,7 +323,7 @@ _TOP_KEYS = ("name", "description", "target", "problem", "template", "params", "
 _REQUIRED_TOP = ("target", "problem", "template", "params")
 _TARGET_KEYS = ("name", "arch", "sms", "smem_per_block")
 _PROBLEM_KEYS = ("kind", "dtype", "scale", "shapes")
-_SHAPE_KEYS = ("B", "H", "H_KV", "S", "D", "causal")
+_SHAPE_KEYS = ("B", "H", "H_KV", "S", "S_KV", "D", "causal")
 _TOL_KEYS = ("atol", "rtol", *DTYPES)
 _TIMING_KEYS = ("warmup", "repetitions", "min_repetitions", "precision", "race", "flush_l2", "timeout_s")
 _SEARCH_KEYS = ("strategy", "budget", "time", "top_k", "population", "seeds")
@@ -487,6 +510,8 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",)) 
         heads_kv = v.integer(s.get("H_KV", heads), f"{key}.H_KV", minimum=1)
         if heads % heads_kv:
             v.fail(f"{key}.H_KV", f"K/V heads must divide the query heads H={heads}, got {heads_kv}")
+        seq = v.integer(s["S"], f"{key}.S", minimum=1)
+        seq_kv = v.integer(s.get("S_KV", seq), f"{key}.S_KV", minimum=1)
         causal_raw = s.get("causal", False)
         flags = causal_raw if isinstance(causal_raw, list) else [causal_raw]
         if not flags:
@@ -497,11 +522,12 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",)) 
                     Case(
                         batch=v.integer(s["B"], f"{key}.B", minimum=1),
                         heads=heads,
-                        seq=v.integer(s["S"], f"{key}.S", minimum=1),
+                        seq=seq,
                         head_dim=d,
                         causal=v.boolean(flag, f"{key}.causal"),
                         heads_kv=heads_kv,
                         dtype=dtype,
+                        seq_kv=seq_kv,
                     )
                 )
     return tuple(dict.fromkeys(cases))
@@ -583,13 +609,28 @@ def parse_duration(raw: Any) -> float:
     return seconds
 
 
-def parse_shape(text: str) -> tuple[int, int, int, int]:
-    """``'1,8,512,64'`` -> (B, H, S, D)."""
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    """``'1,8,512,64'`` -> (B, H, S, D, S_KV) with S_KV = S; ``'8,32,1/4096,128'`` (query length
+    1 over 4096 keys, as a case label writes it) -> (8, 32, 1, 128, 4096)."""
     parts = [p.strip() for p in str(text).split(",")]
-    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"expected B,H,S,D as four positive integers such as 1,8,512,64, got {text!r}")
-    b, h, s, d = (int(p) for p in parts)
-    return b, h, s, d
+    seqs = parts[2].split("/") if len(parts) == 4 else []
+    numbers = parts[:2] + seqs + parts[3:]
+    if len(parts) != 4 or len(seqs) not in (1, 2) or not all(p.isdigit() and int(p) > 0 for p in numbers):
+        raise ValueError(f"expected B,H,S,D (or B,H,S/S_KV,D) as positive integers such as 1,8,512,64 or 8,32,1/4096,128, "
+                         f"got {text!r}")
+    b, h, s, d = (int(parts[0]), int(parts[1]), int(seqs[0]), int(parts[3]))
+    return b, h, s, d, int(seqs[1]) if len(seqs) == 2 else s
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    """(B, H, S, D[, S_KV]) as ``--shape`` takes it: ``1,8,512,64`` or ``8,32,1/4096,128``."""
+    b, h, s, d, skv = _shape_key(shape)
+    return f"{b},{h},{s if skv == s else f'{s}/{skv}'},{d}"
+
+
+def _shape_key(shape: Sequence[int]) -> tuple[int, int, int, int, int]:
+    b, h, s, d, *rest = (int(x) for x in shape)
+    return (b, h, s, d, rest[0] if rest else s)
 
 
 def _hint(word: str, choices: Sequence[str]) -> str:
