@@ -58,7 +58,7 @@ class Config(Mapping[str, ParamValue]):
         On the wgmma path (``wgmma 128x192 st2 r24/240 ovl pp``) WARPS and VEC are unused
         and left out, the consumer warpgroups follow from BLOCK_M, ``pr`` is the producer
         warpgroup, ``r`` the setmaxnreg pair (producer/consumer, with a producer), ``ovl`` the intra-warpgroup
-        overlap and ``pp`` ping-pong.
+        overlap, ``pp`` ping-pong and ``tma`` loads by the tensor memory accelerator (LOAD, neutral cpasync).
         """
         values = dict(self.items_)
         if values.get("PATH") == "wgmma":  # warpgroups instead of warps; the tile's rows give the consumers
@@ -123,6 +123,7 @@ _SHORT: tuple[tuple[str, str, ParamValue | None], ...] = (
     ("REG_CONSUMER", "rc", 0),
     ("INTRA_WG_OVERLAP", "ovl", 0),
     ("PINGPONG", "pp", 0),
+    ("LOAD", "", "cpasync"),
 )
 
 
