@@ -226,6 +226,7 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
         dispatch_literal=_py({k: (v[0], tuple(v[1])) for k, v in dispatch.items()}),
         kernels=[{"key": _py(s.key), "launches": _py([_launch(l) for l in s.rendered.launches]),
                   "workspace": s.rendered.workspace_floats_per_row, "args": _py(s.args), "features": _py(s.features),
+                  "tensor_maps": _py([m.to_json() for m in s.rendered.tensor_maps]),
                   "source": repr(s.rendered.source)} for s in specs],
         rule=DISPATCH_RULE,
     )
