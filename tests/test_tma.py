@@ -5,9 +5,11 @@ and the export of a TMA configuration."""
 from __future__ import annotations
 
 import ctypes
+import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -267,3 +269,18 @@ def test_an_exported_tma_configuration_encodes_the_maps_the_search_launcher_does
             module._tmap_geometry(spec["tensor_maps"][1], (2, 4, 300, 128), (300 * 128, 0, 128, 1))
     finally:
         module._TMAP_DRIVER[:] = []
+
+
+def test_the_ab_script_compiles_every_pair_without_a_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "ab.json"
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "tma_ab.py"),
+                           "--compile-only", "--config", "BLOCK_N=64,REG_PRODUCER=40,REG_CONSUMER=232", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr + done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["wgmma 128x128 st2 r24/240 ovl pp tma", "wgmma 128x192 st2 r24/240 ovl pp tma",
+                                           "wgmma 128x128 st2 r24/240 ovl tma", "wgmma 128x128 st3 ovl tma",
+                                           "wgmma 128x64 st2 r40/232 ovl pp tma"]
+    for row in rows:
+        for load in ("cpasync", "tma"):
+            assert row[load]["status"] == "compiled" and row[load]["spill_bytes"] == 0, row
