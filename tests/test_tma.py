@@ -49,7 +49,7 @@ def _nvdisasm() -> str | None:
 
 
 def test_the_seed_mirrors_the_cpasync_configuration() -> None:
-    assert SEED.short_label() == "wgmma 128x128 st2 r24/240 ovl pp tma"
+    assert SEED.short_label() == "tma 128x128 st2 r24/240 ovl pp"
     assert SPACE.contains(SEED) and SPACE.contains(SEED.replace(LOAD="cpasync")) and SPACE.contains(NO_PRODUCER)
 
 
@@ -278,9 +278,9 @@ def test_the_ab_script_compiles_every_pair_without_a_gpu(tmp_path: Path) -> None
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr + done.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert [r["config"] for r in rows] == ["wgmma 128x128 st2 r24/240 ovl pp tma", "wgmma 128x192 st2 r24/240 ovl pp tma",
-                                           "wgmma 128x128 st2 r24/240 ovl tma", "wgmma 128x128 st3 ovl tma",
-                                           "wgmma 128x64 st2 r40/232 ovl pp tma"]
+    assert [r["config"] for r in rows] == ["tma 128x128 st2 r24/240 ovl pp", "tma 128x192 st2 r24/240 ovl pp",
+                                           "tma 128x128 st2 r24/240 ovl", "tma 128x128 st3 ovl",
+                                           "tma 128x64 st2 r40/232 ovl pp"]
     for row in rows:
         for load in ("cpasync", "tma"):
             assert row[load]["status"] == "compiled" and row[load]["spill_bytes"] == 0, row
