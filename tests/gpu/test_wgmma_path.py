@@ -150,3 +150,20 @@ def test_an_exported_wgmma_configuration_runs_through_the_module(tmp_path: Path,
         torch.cuda.synchronize()
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
         torch.testing.assert_close(captured.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_the_search_evaluates_tma_configurations_as_it_evaluates_cpasync_ones() -> None:
+    """Through the search's Evaluator: the gate in a worker process, then CUDA-graph timing with
+    rotated inputs (the launch captured in a graph must write the output on its stream)."""
+    from dataclasses import replace
+
+    from evoengineer.gpu import Evaluator
+
+    space = SPACE.with_shapes([(1, 8, 512, 64), (4, 16, 2048, 128)])
+    space = replace(space, timing=replace(space.timing, warmup=2, repetitions=10, timeout_s=60))
+    with Evaluator(space, gate_trials=1) as evaluator:
+        for config in (TMA_SEED, TMA_SEED.replace(LOAD="cpasync"), NEIGHBOURS[1].replace(LOAD="tma")):
+            result = evaluator.evaluate(config)
+            assert result.status == "ok", f"{config.short_label()}: {result.reason}"
+            timed = [c for c in result.cases if c.get("time")]
+            assert len(timed) == len(space.cases) and all(c["tflops"] > 0 for c in timed)
