@@ -11,9 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-
-from evoengineer.results import ExportError, Shape, export_runs, kernel_args, nearest, per_shape_winners
 from run_fixtures import (
     DECODE,
     LARGE64,
@@ -27,6 +24,9 @@ from run_fixtures import (
     load_module,
     make_run,
 )
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from evoengineer.results import ExportError, Shape, export_runs, kernel_args, nearest, per_shape_winners
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from rich.console import Console
-
 from h100_data import FINALISTS, FLOPS, H100, LABELS, PLAIN, SDPA_US, h100_baseline, h100_board, h100_cases
+from rich.console import Console
 
 from evoengineer.gpu import SDPA_BACKENDS
 from evoengineer.results import baseline_grid, bench_grid, leaderboard_grid, print_grid, search_summary_grid
