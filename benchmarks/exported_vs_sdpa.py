@@ -277,12 +277,16 @@ def launch_paths(module: Any, dtype: Any, calls: int) -> list[dict]:
         timed("cuda-bindings cuLaunchKernel", lambda: cu.cuLaunchKernel(fn, *grid, *block, smem, st, params, 0))
     except ImportError:
         out.append({"path": "cuda-bindings cuLaunchKernel", "error": "cuda-bindings not installed"})
-    values = _cupy_args(module, plan, q, k, v)
-    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; torch streams lack its replacement's protocol
-        warnings.simplefilter("ignore", DeprecationWarning)
-        ext = cupy.cuda.ExternalStream(stream)
-    raw = plan["raw_kernels"][0]
-    timed("cupy RawKernel call (args prebuilt)", lambda: raw(tuple(grid), tuple(block), values, shared_mem=smem, stream=ext))
+    if any(kind == "tmap" for _, kind in module.KERNELS[plan["kernel"]]["args"]):
+        out.append({"path": "cupy RawKernel call (args prebuilt)", "error": "the kernel takes tensor maps (TMA), "
+                    "which are no CuPy argument kind"})
+    else:
+        values = _cupy_args(module, plan, q, k, v)
+        with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; torch streams lack its replacement's protocol
+            warnings.simplefilter("ignore", DeprecationWarning)
+            ext = cupy.cuda.ExternalStream(stream)
+        raw = plan["raw_kernels"][0]
+        timed("cupy RawKernel call (args prebuilt)", lambda: raw(tuple(grid), tuple(block), values, shared_mem=smem, stream=ext))
     torch.cuda.synchronize()
     del result, workspace
     timed("the module's attention() (whole call)", lambda: module.attention(q, k, v))

@@ -2,7 +2,9 @@
 
 No copies: the kernel reads the tensors' memory through their data pointers and
 strides, on torch's current stream. Only this module and ``evaluate.py`` touch
-the GPU.
+the GPU. A kernel that loads by TMA (``// TENSOR_MAP`` lines) also takes tensor maps of
+its tensors, encoded per call (``tensormap.py``), and is launched through the driver
+(``cuLaunchKernel`` with a packed argument block); the others through CuPy.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..kernels import Rendered
+from .tensormap import MapStorage, TensorMapError, check_address, driver, map_geometry, pack_arguments
 
 LOG2E = 1.4426950408889634
 _SMEM_DEFAULT_LIMIT = 48 * 1024
@@ -39,6 +42,7 @@ class AttentionKernel:
                 fn.max_dynamic_shared_size_bytes = launch.smem
             self._functions.append(fn)
         self._workspace: Any = None
+        self._maps = MapStorage(len(self.rendered.tensor_maps)) if self.rendered.tensor_maps else None
 
     def check(self, q: Any, k: Any, v: Any, out: Any) -> None:
         """Raise LaunchError unless the tensors fit this kernel: q and out (B, H, S_q, D), k and v
@@ -64,6 +68,13 @@ class AttentionKernel:
                               "(k and v: the batch of q and a number of heads that divides q's)")
         if len({t.device for t in (q, k, v, out)}) != 1:
             raise LaunchError("q, k, v and out must be on one device")
+        tensors = {"q": q, "k": k, "v": v, "out": out}
+        for spec in self.rendered.tensor_maps:
+            t = tensors[spec.tensor]
+            try:
+                map_geometry(spec, t.shape, t.stride(), variant.dtype)
+            except TensorMapError as exc:
+                raise LaunchError(str(exc)) from None
 
     def __call__(self, q: Any, k: Any, v: Any, out: Any, scale: float | None = None, *, checked: bool = True) -> Any:
         """Run attention(q, k, v) into ``out`` on torch's current stream; returns ``out``.
@@ -82,6 +93,9 @@ class AttentionKernel:
             if self._workspace is None or self._workspace.numel() < ws_floats or self._workspace.device != q.device:
                 self._workspace = torch.empty(ws_floats, dtype=torch.float32, device=q.device)
             ws_ptr = self._workspace.data_ptr()
+        if self._maps is not None:
+            values = argument_values(q, k, v, out, ws_ptr, scale * LOG2E)
+            return self._launch_with_maps(q, k, v, out, values)
         args = (
             cupy.uint64(q.data_ptr()), cupy.uint64(k.data_ptr()), cupy.uint64(v.data_ptr()), cupy.uint64(out.data_ptr()),
             cupy.uint64(ws_ptr),
@@ -93,6 +107,44 @@ class AttentionKernel:
             for launch, fn in zip(self.rendered.launches, self._functions):
                 fn(launch.grid(batch, heads, seq_q), launch.block, args, shared_mem=launch.smem)
         return out
+
+    def _launch_with_maps(self, q: Any, k: Any, v: Any, out: Any, values: dict) -> Any:
+        """Encode the tensor maps of this call's tensors and launch through the driver."""
+        import cupy
+        import torch
+
+        assert self._maps is not None
+        tensors = {"q": q, "k": k, "v": v, "out": out}
+        dtype = self.rendered.variant.dtype
+        addresses = {}
+        try:
+            for spec, at in zip(self.rendered.tensor_maps, self._maps.addresses):
+                t = tensors[spec.tensor]
+                check_address(spec, t.data_ptr())
+                driver().encode(at, map_geometry(spec, t.shape, t.stride(), dtype), t.data_ptr())
+                addresses[spec.arg] = at
+        except TensorMapError as exc:
+            raise LaunchError(str(exc)) from None
+        packed = pack_arguments(self.rendered.arguments, values, addresses)
+        batch, heads, seq_q = q.shape[0], q.shape[1], q.shape[2]
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        with cupy.cuda.Device(q.get_device()):
+            for launch, fn in zip(self.rendered.launches, self._functions):
+                cupy.cuda.driver.launchKernel(fn.kernel.ptr, *launch.grid(batch, heads, seq_q), *launch.block, launch.smem,
+                                              stream, packed.address, 0)
+        return out
+
+
+def argument_values(q: Any, k: Any, v: Any, out: Any, ws_ptr: int, scale_log2: float) -> dict[str, int | float]:
+    """The common kernel arguments (``KERNEL_ARGS``) of one call, by name."""
+    values: dict[str, int | float] = {
+        "Q": q.data_ptr(), "K": k.data_ptr(), "V": v.data_ptr(), "O": out.data_ptr(), "WS": ws_ptr,
+        "B": q.shape[0], "H": q.shape[1], "H_kv": k.shape[1], "S_q": q.shape[2], "S_k": k.shape[2],
+        "scale_log2": scale_log2,
+    }
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
+        values.update({f"{name}_sb": t.stride(0), f"{name}_sh": t.stride(1), f"{name}_ss": t.stride(2)})
+    return values
 
 
 def torch_dtype(dtype: str) -> Any:

@@ -16,11 +16,11 @@ from .compile import (
     normalize_arch,
     nvrtc_version,
 )
-from .render import KERNEL_ARGS, Launch, Rendered, RenderError, from_source, render
+from .render import KERNEL_ARGS, Launch, Rendered, RenderError, TensorMapArg, from_source, render
 from .static import StaticReport, VariantBuild, build_config, build_config_job, build_many
 
 __all__ = [
     "DEFAULT_OPTIONS", "KERNEL_ARGS", "CompileResult", "KernelResources", "arch_for_device", "Launch", "RenderError", "Rendered",
-    "StaticReport", "VariantBuild", "build_config", "build_config_job", "build_many", "compile_many",
+    "StaticReport", "TensorMapArg", "VariantBuild", "build_config", "build_config_job", "build_many", "compile_many",
     "compile_source", "from_source", "normalize_arch", "nvrtc_version", "render",
 ]

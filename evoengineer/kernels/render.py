@@ -4,10 +4,15 @@ A template declares its own launches in comment lines of the rendered source::
 
     // LAUNCH {"kernel": "attn_fwd", "block": [128, 1, 1], "smem": 24576, "rows_per_cta": 64, "grid_z": 1}
     // WORKSPACE_FLOATS_PER_ROW 0
+    // TENSOR_MAP {"arg": "tm_k", "tensor": "k", "box": [64, 128], "swizzle": 128}
 
 Each launch runs over ``grid = (ceil(S_q / rows_per_cta), B * H, grid_z)``; launches
 run in order with the same arguments (a split-K/V kernel followed by its combine
-step, say). Every kernel takes the same argument list, see ``KERNEL_ARGS``.
+step, say). Every kernel takes the same argument list, see ``KERNEL_ARGS``, followed by
+one ``const __grid_constant__ CUtensorMap`` per ``// TENSOR_MAP`` line, in their order
+(kernels that load by TMA): a 4-D map over the named tensor (``q``, ``k``, ``v`` or
+``out``) as (head_dim, seq, heads, batch) with its strides, copied in boxes of
+``box`` = (columns, rows), shared memory swizzled as ``swizzle`` bytes (0, 32, 64, 128).
 
 Templates see the configuration's parameters plus ``HEAD_DIM``, ``CAUSAL`` and ``DTYPE``
 (``'fp16'`` or ``'bf16'``: the element type of Q, K, V and O, a compile-time choice).
@@ -17,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -57,6 +63,53 @@ class Launch:
         return self.block[0] * self.block[1] * self.block[2]
 
 
+TENSOR_MAP_PARAM = "const __grid_constant__ CUtensorMap"
+"""The C type of a tensor-map kernel parameter (a 128-byte struct passed by value)."""
+
+
+def parameter_kinds(params: str) -> list[tuple[str, str]]:
+    """A kernel's parameter list (``const half_t* Q, int B, ...``) as (name, kind), kind one of
+    ``ptr``, ``i32``, ``i64``, ``f32`` and ``tmap`` (a tensor map): what a launcher packs, by
+    name. ValueError for a parameter of another type."""
+    out = []
+    for part in (p.strip() for p in params.split(",")):
+        m = re.fullmatch(r"(.*?)\s*\b([A-Za-z_]\w*)", part)
+        if m is None:
+            raise ValueError(f"cannot read parameter {part!r}")
+        ctype, name = " ".join(m.group(1).split()), m.group(2)
+        if "*" in ctype:
+            kind = "ptr"
+        elif ctype in ("int", "const int", "int32_t"):
+            kind = "i32"
+        elif ctype in ("long long", "const long long", "int64_t"):
+            kind = "i64"
+        elif ctype in ("float", "const float"):
+            kind = "f32"
+        elif ctype == TENSOR_MAP_PARAM:
+            kind = "tmap"
+        else:
+            raise ValueError(f"parameter {part!r} has a type a launcher cannot pack")
+        out.append((name, kind))
+    return out
+
+
+TENSOR_MAP_TENSORS = ("q", "k", "v", "out")
+TENSOR_MAP_SWIZZLES = (0, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class TensorMapArg:
+    """A ``const __grid_constant__ CUtensorMap`` kernel argument: which tensor it maps and how."""
+
+    arg: str
+    tensor: str
+    box: tuple[int, int]
+    swizzle: int = 128
+
+    def to_json(self) -> dict:
+        return {"arg": self.arg, "tensor": self.tensor, "box": list(self.box), "swizzle": self.swizzle}
+
+
 @dataclass(frozen=True)
 class Rendered:
     config: Config
@@ -65,6 +118,12 @@ class Rendered:
     source: str
     launches: tuple[Launch, ...]
     workspace_floats_per_row: int = 0
+    tensor_maps: tuple[TensorMapArg, ...] = ()
+
+    @property
+    def arguments(self) -> list[tuple[str, str]]:
+        """(name, kind) of every kernel parameter: ``KERNEL_ARGS``, then one ``tmap`` per tensor map."""
+        return parameter_kinds(KERNEL_ARGS) + [(m.arg, "tmap") for m in self.tensor_maps]
 
     @property
     def source_hash(self) -> str:
@@ -87,7 +146,8 @@ class Rendered:
                 for l in self.launches
             ],
             "workspace_floats_per_row": self.workspace_floats_per_row,
-            "kernel_args": KERNEL_ARGS,
+            "kernel_args": KERNEL_ARGS + "".join(f", {TENSOR_MAP_PARAM} {m.arg}" for m in self.tensor_maps),
+            "tensor_maps": [m.to_json() for m in self.tensor_maps],
         }
 
 
@@ -134,15 +194,34 @@ def render(template: str, config: Config, variant: Variant, directory: str | Pat
 
 def from_source(template: str, config: Config, variant: Variant, source: str) -> Rendered:
     """A ``Rendered`` from source text that carries its own ``// LAUNCH`` lines (a saved candidate)."""
-    launches, workspace = _parse_metadata(source)
+    launches, workspace, maps = _parse_metadata(source)
     if not launches:
         raise RenderError(f"template {template!r} declared no '// LAUNCH' line")
-    return Rendered(config, variant, template, source, tuple(launches), workspace)
+    return Rendered(config, variant, template, source, tuple(launches), workspace, tuple(maps))
 
 
-def _parse_metadata(source: str) -> tuple[list[Launch], int]:
+def tensor_map_arg(meta: dict) -> TensorMapArg:
+    """A ``// TENSOR_MAP`` line's JSON as a ``TensorMapArg``; RenderError if it cannot be one."""
+    try:
+        arg = TensorMapArg(str(meta["arg"]), str(meta["tensor"]), (int(meta["box"][0]), int(meta["box"][1])),
+                           int(meta.get("swizzle", 128)))
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise RenderError(f"'// TENSOR_MAP {json.dumps(meta)}': expected arg, tensor, box [columns, rows] ({exc})") from exc
+    if arg.tensor not in TENSOR_MAP_TENSORS or arg.swizzle not in TENSOR_MAP_SWIZZLES or not arg.arg.isidentifier():
+        raise RenderError(f"'// TENSOR_MAP {json.dumps(meta)}': tensor one of {', '.join(TENSOR_MAP_TENSORS)}, "
+                          f"swizzle one of {TENSOR_MAP_SWIZZLES}, arg an identifier")
+    return arg
+
+
+def declared_tensor_maps(source: str) -> list[TensorMapArg]:
+    """The tensor maps a kernel source declares with ``// TENSOR_MAP`` lines, in order."""
+    return _parse_metadata(source)[2]
+
+
+def _parse_metadata(source: str) -> tuple[list[Launch], int, list[TensorMapArg]]:
     launches: list[Launch] = []
     workspace = 0
+    maps: list[TensorMapArg] = []
     for line in source.splitlines():
         stripped = line.strip()
         if stripped.startswith("// LAUNCH "):
@@ -158,4 +237,6 @@ def _parse_metadata(source: str) -> tuple[list[Launch], int]:
             )
         elif stripped.startswith("// WORKSPACE_FLOATS_PER_ROW "):
             workspace = int(stripped.split()[-1])
-    return launches, workspace
+        elif stripped.startswith("// TENSOR_MAP "):
+            maps.append(tensor_map_arg(json.loads(stripped[len("// TENSOR_MAP ") :])))
+    return launches, workspace, maps

@@ -76,31 +76,30 @@ _SIGNATURE = r"__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?{name}\s
 
 def kernel_args(source: str, kernel: str) -> list[tuple[str, str]]:
     """The parameter list of ``kernel`` in ``source`` as (name, kind), kind one of
-    ``ptr``, ``i32``, ``i64``, ``f32``: what the module packs, by name."""
+    ``ptr``, ``i32``, ``i64``, ``f32`` and ``tmap`` (a tensor map the source declares with a
+    ``// TENSOR_MAP`` line): what the module packs, by name."""
+    from ..kernels.render import RenderError, declared_tensor_maps, parameter_kinds
+
     match = re.search(_SIGNATURE.format(name=re.escape(kernel)), source)
     if match is None:
         raise ExportError(f"kernel {kernel!r}: no __global__ definition found in its source")
-    args = []
-    for part in (p.strip() for p in match.group(1).split(",")):
-        m = re.fullmatch(r"(.*?)\s*\b([A-Za-z_]\w*)", part)
-        if m is None:
-            raise ExportError(f"kernel {kernel!r}: cannot read parameter {part!r}")
-        ctype, name = " ".join(m.group(1).split()), m.group(2)
-        if "*" in ctype:
-            kind = "ptr"
-        elif ctype in ("int", "const int", "int32_t"):
-            kind = "i32"
-        elif ctype in ("long long", "const long long", "int64_t"):
-            kind = "i64"
-        elif ctype in ("float", "const float"):
-            kind = "f32"
-        else:
-            raise ExportError(f"kernel {kernel!r}: parameter {part!r} has a type the module cannot pack")
+    try:
+        args = parameter_kinds(match.group(1))
+        declared = {m.arg for m in declared_tensor_maps(source)}
+    except (ValueError, RenderError) as exc:
+        raise ExportError(f"kernel {kernel!r}: {exc}") from None
+    for name, kind in args:
+        if kind == "tmap":
+            if name not in declared:
+                raise ExportError(f"kernel {kernel!r}: tensor map parameter {name!r} has no '// TENSOR_MAP' line")
+            continue
         known = POINTER_ARGS if kind == "ptr" else KNOWN_SCALARS
         if name not in known:
             raise ExportError(f"kernel {kernel!r}: parameter {name!r} is not one the module knows how to fill "
                               f"(pointers {', '.join(POINTER_ARGS)}; scalars {', '.join(KNOWN_SCALARS)})")
-        args.append((name, kind))
+    missing = declared - {name for name, kind in args if kind == "tmap"}
+    if missing:
+        raise ExportError(f"kernel {kernel!r}: '// TENSOR_MAP' declares {', '.join(sorted(missing))}, which it does not take")
     return args
 
 
@@ -227,6 +226,7 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
         dispatch_literal=_py({k: (v[0], tuple(v[1])) for k, v in dispatch.items()}),
         kernels=[{"key": _py(s.key), "launches": _py([_launch(l) for l in s.rendered.launches]),
                   "workspace": s.rendered.workspace_floats_per_row, "args": _py(s.args), "features": _py(s.features),
+                  "tensor_maps": _py([m.to_json() for m in s.rendered.tensor_maps]),
                   "source": repr(s.rendered.source)} for s in specs],
         rule=DISPATCH_RULE,
     )

@@ -58,7 +58,8 @@ class Config(Mapping[str, ParamValue]):
         On the wgmma path (``wgmma 128x192 st2 r24/240 ovl pp``) WARPS and VEC are unused
         and left out, the consumer warpgroups follow from BLOCK_M, ``pr`` is the producer
         warpgroup, ``r`` the setmaxnreg pair (producer/consumer, with a producer), ``ovl`` the intra-warpgroup
-        overlap and ``pp`` ping-pong.
+        overlap and ``pp`` ping-pong; with LOAD=tma (loads by the tensor memory accelerator) the path reads
+        ``tma`` (``tma 128x128 st2 r24/240 ovl pp``), which keeps the label as short as its cp.async twin's.
         """
         values = dict(self.items_)
         if values.get("PATH") == "wgmma":  # warpgroups instead of warps; the tile's rows give the consumers
@@ -70,6 +71,9 @@ class Config(Mapping[str, ParamValue]):
             if values.get("REG_PRODUCER") and values.get("REG_CONSUMER") and values.get("PRODUCER") == 1:
                 values["SETMAXNREG"] = f"{values.pop('REG_PRODUCER')}/{values.pop('REG_CONSUMER')}"
                 values.pop("PRODUCER")  # register reallocation implies the producer warpgroup
+            if values.get("LOAD") == "tma":
+                values.pop("LOAD")
+                values["PATH"] = "tma"  # the wgmma path loading by TMA
         parts = [str(values.pop("PATH"))] if "PATH" in values else []
         if "BLOCK_M" in values and "BLOCK_N" in values:
             parts.append(f"{values.pop('BLOCK_M')}x{values.pop('BLOCK_N')}")
@@ -123,6 +127,7 @@ _SHORT: tuple[tuple[str, str, ParamValue | None], ...] = (
     ("REG_CONSUMER", "rc", 0),
     ("INTRA_WG_OVERLAP", "ovl", 0),
     ("PINGPONG", "pp", 0),
+    ("LOAD", "", "cpasync"),
 )
 
 

@@ -1,8 +1,8 @@
 """PATH=wgmma (Hopper warpgroup MMA, sm_90a) against fp32 SDPA on the GPU, through the gate
-the search uses: the h100 space's wgmma seeds and a few neighbours, head dims 64 and 128,
-full and causal, every shape of the space plus edge shapes (one token, S not a multiple of
-any tile, S shorter than one tile), S_q != S_k, grouped K/V heads, and an export called
-through the exported module."""
+the search uses: the h100 space's wgmma seeds and a few neighbours, each loading by cp.async
+and by TMA (LOAD=tma), head dims 64 and 128, full and causal, every shape of the space plus
+edge shapes (one token, S not a multiple of any tile, S shorter than one tile), S_q != S_k,
+grouped K/V heads, strided views, and an export called through the exported module."""
 from __future__ import annotations
 
 import sys
@@ -18,19 +18,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 pytestmark = pytest.mark.gpu
 
 SPACE = load_space("h100")
-SEEDS = [c for c in SPACE.search.seeds if c["PATH"] == "wgmma"]
+SEEDS = [c for c in SPACE.search.seeds if c["PATH"] == "wgmma" and c["LOAD"] == "cpasync"]
+TMA_SEED = next(c for c in SPACE.search.seeds if c["PATH"] == "wgmma" and c["LOAD"] == "tma")
 NEIGHBOURS = [
     SEEDS[0].replace(BLOCK_N=128, STAGES=3),                       # a deeper ring, ping-pong
     SEEDS[3].replace(STAGES=3, INTRA_WG_OVERLAP=1),                # overlap without a producer
     SEEDS[1].replace(BLOCK_N=64, REG_PRODUCER=40, REG_CONSUMER=232),
     SEEDS[2].replace(STAGES=2),                                    # three consumer warpgroups, two stages
 ]
-CONFIGS = [c for c in SEEDS + NEIGHBOURS if SPACE.contains(c)]
+TMA = [TMA_SEED] + [c.replace(LOAD="tma") for c in SEEDS + NEIGHBOURS] + [
+    SEEDS[1].replace(BLOCK_N=64, LOAD="tma"),                      # a 24-register producer at BLOCK_N 64 (TMA only)
+]
+CONFIGS = [c for c in SEEDS + NEIGHBOURS + TMA if SPACE.contains(c)]
 SHAPES = [(1, 8, 512), (2, 3, 77), (1, 2, 5), (1, 1, 1), (1, 1, 257), (1, 2, 1000), (1, 2, 2048)]
 
 
 def test_the_configurations_are_in_the_space() -> None:
-    assert len(SEEDS) >= 4 and len(CONFIGS) == len(SEEDS) + len(NEIGHBOURS)
+    assert len(SEEDS) >= 4 and len(CONFIGS) == len(SEEDS) + len(NEIGHBOURS) + len(TMA) == len(set(CONFIGS))
 
 
 def _kernel(config: Config, variant: Variant):
@@ -56,29 +60,70 @@ def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None
         assert result.status == "ok", f"{case.label()}: {result.reason}"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_query_and_key_lengths_may_differ_and_kv_heads_may_be_grouped(causal: bool) -> None:
+@pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma")], ids=Config.short_label)
+def test_query_and_key_lengths_may_differ_and_kv_heads_may_be_grouped(config: Config, causal: bool, head_dim: int) -> None:
     import torch
     import torch.nn.functional as F
 
-    kernel = _kernel(SEEDS[0], Variant(128, causal))
-    for seq_q, seq_k, heads_kv in ((100, 333, 8), (333, 100, 8), (300, 300, 2), (1, 64, 4)):
-        q = torch.randn(2, 8, seq_q, 128, device="cuda", dtype=torch.float16)
-        k, v = (torch.randn(2, heads_kv, seq_k, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    kernel = _kernel(config, Variant(head_dim, causal))
+    for seq_q, seq_k, heads_kv in ((100, 333, 8), (333, 100, 8), (300, 300, 2), (1, 64, 4), (5, 1000, 1), (1000, 5, 2)):
+        q = torch.randn(2, 8, seq_q, head_dim, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(2, heads_kv, seq_k, head_dim, device="cuda", dtype=torch.float16) for _ in range(2))
         out = torch.full_like(q, float("nan"))
         kernel(q, k, v, out)
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=True)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2, msg=f"S_q {seq_q} S_k {seq_k} H_kv {heads_kv}")
+
+
+@pytest.mark.parametrize("config", [TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma")], ids=Config.short_label)
+def test_tma_reads_views_by_their_strides_and_nothing_past_the_sequence(config: Config) -> None:
+    """Tensor maps follow each tensor's strides: (B, S, H, D) storage viewed as (B, H, S, D), a
+    K/V cache longer than the keys used (NaN past them: a read beyond S_k would poison the
+    output), a batch of one with odd strides; and new tensors each call (maps re-encoded)."""
+    import torch
+    import torch.nn.functional as F
+
+    for causal in (False, True):
+        kernel = _kernel(config, Variant(128, causal))
+        for seq_q, seq_k in ((77, 300), (300, 300), (1, 257)):
+            q = torch.randn(2, seq_q, 8, 128, device="cuda", dtype=torch.float16).transpose(1, 2)
+            cache_k, cache_v = (torch.full((2, 4, 1024, 128), float("nan"), device="cuda", dtype=torch.float16) for _ in range(2))
+            cache_k[:, :, :seq_k].normal_()
+            cache_v[:, :, :seq_k].normal_()
+            k, v = cache_k[:, :, :seq_k], cache_v[:, :, :seq_k]
+            out = torch.full((2, 8, seq_q, 128), float("nan"), device="cuda", dtype=torch.float16)
+            kernel(q, k, v, out)
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=True)
+            torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2, msg=f"causal {causal} S_q {seq_q} S_k {seq_k}")
+        one = torch.randn(1, 1, 333, 128, device="cuda", dtype=torch.float16).as_strided((1, 1, 333, 128), (8, 0, 128, 1))
+        out = torch.empty_like(one)
+        kernel(one, one, one, out)
+        ref = F.scaled_dot_product_attention(one.float(), one.float(), one.float(), is_causal=causal)
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_an_exported_wgmma_configuration_runs_through_the_module(tmp_path: Path) -> None:
+def test_a_tma_kernel_refuses_tensors_its_maps_cannot_describe() -> None:
+    import torch
+
+    from evoengineer.gpu import LaunchError
+
+    kernel = _kernel(TMA_SEED, Variant(64, False))
+    q = torch.randn(1, 8, 128, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.float16).expand(1, 2, 128, 64)   # heads stride 0
+    with pytest.raises(LaunchError, match="heads stride 0"):
+        kernel(q, k, k, torch.empty_like(q))
+
+
+@pytest.mark.parametrize("best", [SEEDS[0], TMA_SEED], ids=Config.short_label)
+def test_an_exported_wgmma_configuration_runs_through_the_module(tmp_path: Path, best: Config) -> None:
     import torch
     import torch.nn.functional as F
     from run_fixtures import load_module, make_run
 
     from evoengineer.results import export_runs
 
-    best = SEEDS[0]
     times = {label: {best: 100.0} for label in ("B1 H8 S512 D64", "B4 H16 S2048 D64", "B4 H16 S2048 D128",
                                                 "B4 H16 S2048 D128 causal")}
     export_runs([make_run(tmp_path / "run", times, sdpa={label: 120.0 for label in times})], tmp_path / "out")
@@ -88,3 +133,37 @@ def test_an_exported_wgmma_configuration_runs_through_the_module(tmp_path: Path)
         assert module.explain(q, k, v, is_causal=causal)["config"] == best.key()
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
         torch.testing.assert_close(module.attention(q, k, v, is_causal=causal).float(), ref, atol=2e-2, rtol=2e-2)
+    # new tensors of a planned shape (their maps re-pointed), grouped K/V heads, a captured CUDA graph
+    for _ in range(3):
+        q = torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(2, 2, 300, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+        got = module.attention(q, k, v, is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = module.attention(q, k, v, is_causal=True, enable_gqa=True)
+    for _ in range(2):
+        for t in (q, k, v):
+            t.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(captured.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_the_search_evaluates_tma_configurations_as_it_evaluates_cpasync_ones() -> None:
+    """Through the search's Evaluator: the gate in a worker process, then CUDA-graph timing with
+    rotated inputs (the launch captured in a graph must write the output on its stream)."""
+    from dataclasses import replace
+
+    from evoengineer.gpu import Evaluator
+
+    space = SPACE.with_shapes([(1, 8, 512, 64), (4, 16, 2048, 128)])
+    space = replace(space, timing=replace(space.timing, warmup=2, repetitions=10, timeout_s=60))
+    with Evaluator(space, gate_trials=1) as evaluator:
+        for config in (TMA_SEED, TMA_SEED.replace(LOAD="cpasync"), NEIGHBOURS[1].replace(LOAD="tma")):
+            result = evaluator.evaluate(config)
+            assert result.status == "ok", f"{config.short_label()}: {result.reason}"
+            timed = [c for c in result.cases if c.get("time")]
+            assert len(timed) == len(space.cases) and all(c["tflops"] > 0 for c in timed)

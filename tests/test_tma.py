@@ -1,0 +1,286 @@
+"""LOAD=tma on the wgmma path without a GPU: what the templates declare and NVRTC compiles
+for sm_90a, the tensor maps' geometry and checks, the driver calls' arguments (through
+ctypes, into stand-in functions), the packed launch arguments, the space's LOAD parameter
+and the export of a TMA configuration."""
+from __future__ import annotations
+
+import ctypes
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from run_fixtures import load_module, make_run
+
+from evoengineer.gpu.launch import argument_values
+from evoengineer.gpu.tensormap import (
+    MAP_BYTES,
+    Driver,
+    MapStorage,
+    TensorMapError,
+    check_address,
+    map_geometry,
+    pack_arguments,
+)
+from evoengineer.kernels import KERNEL_ARGS, RenderError, TensorMapArg, compile_source, from_source, render
+from evoengineer.kernels.render import parameter_kinds
+from evoengineer.results import ExportError, export_runs, kernel_args
+from evoengineer.space import Config, Variant, load_space
+
+SPACE = load_space("h100")
+SEED = next(c for c in SPACE.search.seeds if c["PATH"] == "wgmma" and c["LOAD"] == "tma")
+NO_PRODUCER = SEED.replace(PRODUCER=0, REG_PRODUCER=0, REG_CONSUMER=0, PINGPONG=0, STAGES=3)
+
+
+def _nvdisasm() -> str | None:
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    import nvidia
+
+    return next((str(c) for root in map(Path, nvidia.__path__) for c in root.glob("*/bin/nvdisasm")), None)
+
+
+# -- templates ---------------------------------------------------------------------------------
+
+
+def test_the_seed_mirrors_the_cpasync_configuration() -> None:
+    assert SEED.short_label() == "tma 128x128 st2 r24/240 ovl pp"
+    assert SPACE.contains(SEED) and SPACE.contains(SEED.replace(LOAD="cpasync")) and SPACE.contains(NO_PRODUCER)
+
+
+@pytest.mark.parametrize("config", [SEED, NO_PRODUCER.replace(CONSUMER_WGS=3, BLOCK_M=192, BLOCK_N=64)], ids=Config.short_label)
+def test_a_tma_kernel_declares_its_tensor_maps_and_takes_them_last(config: Config) -> None:
+    rendered = render("flash_attention", config, Variant(128, True))
+    rows = {"q": config["BLOCK_M"], "k": config["BLOCK_N"], "v": config["BLOCK_N"]}
+    assert rendered.tensor_maps == tuple(TensorMapArg(f"tm_{t}", t, (64, rows[t]), 128) for t in "qkv")
+    names = [n for n, _ in rendered.arguments]
+    assert names[-3:] == ["tm_q", "tm_k", "tm_v"] and [k for _, k in rendered.arguments][-4:] == ["f32", "tmap", "tmap", "tmap"]
+    assert kernel_args(rendered.source, "attn_fwd") == rendered.arguments  # the signature says the same
+    assert "cp.async.bulk.tensor.4d" in rendered.source and "load_tile<" not in rendered.source
+    # shared memory: the cp.async layout plus the barriers
+    assert rendered.max_smem == 1024 + 2 * 128 * config["BLOCK_M"] + 4 * 128 * config["BLOCK_N"] * config["STAGES"] + 256
+    meta = rendered.launch_metadata()
+    assert [m["arg"] for m in meta["tensor_maps"]] == ["tm_q", "tm_k", "tm_v"]
+    assert meta["kernel_args"].endswith("const __grid_constant__ CUtensorMap tm_v")
+
+
+def test_a_cpasync_kernel_declares_no_tensor_map() -> None:
+    rendered = render("flash_attention", SEED.replace(LOAD="cpasync"), Variant(64, False))
+    assert rendered.tensor_maps == () and [n for n, _ in rendered.arguments][-1] == "scale_log2"
+    assert "cp.async.bulk" not in rendered.source and "CUtensorMap" not in rendered.source
+
+
+def test_tensor_map_lines_are_checked() -> None:
+    source = render("flash_attention", SEED, Variant(64, False)).source
+    for bad in ('"tensor": "x"', '"box": [64]', '"swizzle": 48'):
+        broken = source.replace('"tensor": "k", "box": [64, 128], "swizzle": 128', bad, 1)
+        with pytest.raises(RenderError, match="TENSOR_MAP"):
+            from_source("flash_attention", SEED, Variant(64, False), broken)
+    with pytest.raises(RenderError, match="WGMMA_PATH_LOAD_MUST_BE_CPASYNC_OR_TMA"):
+        render("flash_attention", SEED.replace(LOAD="bulk"), Variant(64, False))
+
+
+@pytest.mark.parametrize("config", [SEED, NO_PRODUCER], ids=Config.short_label)
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True)])
+def test_tma_configurations_compile_for_sm_90a_without_spills(config: Config, head_dim: int, causal: bool) -> None:
+    rendered = render("flash_attention", config, Variant(head_dim, causal))
+    compiled = compile_source(rendered.source, "sm_90a")
+    assert compiled.ok, compiled.error
+    assert compiled.spill_bytes == 0 and compiled.stack_bytes == 0, compiled.kernels
+    # registers at launch: the CTA's share (setmaxnreg moves them between warpgroups)
+    assert compiled.registers <= 65536 // rendered.launches[0].threads
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
+    copies = re.findall(r"UTMALDG\.4D", sass)
+    assert copies and not re.search(r"\bLDGSTS\b|\bLDL\b|\bSTL\b", sass)   # TMA copies, no cp.async, no local memory
+
+
+def test_tma_costs_the_consumers_no_registers() -> None:
+    """Without a producer every thread computes: TMA leaves the loads' addressing to one thread."""
+    for head_dim in (64, 128):
+        variant = Variant(head_dim, False)
+        tma = compile_source(render("flash_attention", NO_PRODUCER, variant).source, "sm_90a")
+        cpasync = compile_source(render("flash_attention", NO_PRODUCER.replace(LOAD="cpasync"), variant).source, "sm_90a")
+        assert tma.ok and cpasync.ok and tma.registers <= cpasync.registers, (tma.registers, cpasync.registers)
+
+
+# -- the space -----------------------------------------------------------------------------------
+
+
+def test_load_varies_on_the_wgmma_path_only_and_no_configuration_repeats() -> None:
+    valid = list(SPACE.valid_configs())
+    assert len({c.key() for c in valid}) == len(valid)
+    assert all(c["LOAD"] == "cpasync" for c in valid if c["PATH"] != "wgmma")
+    wgmma = [c for c in valid if c["PATH"] == "wgmma"]
+    tma = {c.replace(LOAD="cpasync") for c in wgmma if c["LOAD"] == "tma"}
+    cpasync = {c for c in wgmma if c["LOAD"] == "cpasync"}
+    # every cp.async configuration has its TMA twin unless the barriers' 256 bytes do not fit
+    for c in cpasync - tma:
+        assert not c["PRODUCER"] and 1024 + 256 * c["BLOCK_M"] + 512 * c["BLOCK_N"] * c["STAGES"] + 256 > SPACE.target.smem_per_block
+    # and TMA's single-thread producer lives with 24 registers at BLOCK_N 64 too
+    assert any(c["REG_PRODUCER"] == 24 and c["BLOCK_N"] == 64 for c in tma - cpasync)
+
+
+# -- tensor maps on the host -------------------------------------------------------------------------
+
+K_MAP = TensorMapArg("tm_k", "k", (64, 128), 128)
+
+
+def test_geometry_of_a_contiguous_tensor_and_of_a_transposed_view() -> None:
+    k = torch.empty(2, 4, 300, 128, dtype=torch.float16)
+    g = map_geometry(K_MAP, k.shape, k.stride(), "fp16")
+    assert (g.dims, g.strides, g.box, g.swizzle, g.data_type) == ((128, 300, 4, 2), (256, 300 * 256, 4 * 300 * 256), (64, 128, 1, 1), 3, 6)
+    bshd = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16).transpose(1, 2)   # (B, S, H, D) storage
+    g = map_geometry(K_MAP, bshd.shape, bshd.stride(), "bf16")
+    assert (g.dims, g.strides, g.data_type) == ((128, 300, 4, 2), (4 * 256, 256, 300 * 4 * 256), 9)
+
+
+def test_dimensions_of_extent_one_get_a_contiguous_stride() -> None:
+    one = torch.empty(1, 1, 8, 64, dtype=torch.float16).as_strided((1, 1, 8, 64), (0, 3, 64, 1))
+    g = map_geometry(TensorMapArg("tm_q", "q", (64, 64)), one.shape, one.stride(), "fp16")
+    assert g.strides == (128, 8 * 128, 8 * 128)
+
+
+@pytest.mark.parametrize("shape, strides, box, match", [
+    ((2, 4, 16, 64), (4096, 0, 64, 1), (64, 128), "heads stride 0"),            # expanded heads
+    ((2, 4, 16, 64), (4096, 1028, 64, 1), (64, 128), "heads stride 1028"),      # not 16-byte steps
+    ((2, 4, 16, 64), (4096, 1024, 1, 16), (64, 128), "contiguous"),
+    ((2, 4, 16, 96), (6144, 1536, 96, 1), (64, 128), "multiple of the box"),
+    ((2, 4, 16, 128), (8192, 2048, 128, 1), (128, 64), "128-byte swizzle"),
+    ((2, 4, 16, 64), (4096, 1024, 64, 1), (64, 512), "1..256"),
+    ((4, 16, 64), (1024, 64, 1), (64, 128), "4-D"),
+])
+def test_tensors_a_map_cannot_describe_are_clear_errors(shape, strides, box, match) -> None:
+    with pytest.raises(TensorMapError, match=match):
+        map_geometry(TensorMapArg("tm_k", "k", box), shape, strides, "fp16")
+    with pytest.raises(TensorMapError, match="16-byte aligned"):
+        check_address(K_MAP, 0x1008)
+
+
+def _stand_in_driver(calls: list, status: int = 0) -> tuple[Driver, list]:
+    """A ``Driver`` whose functions are C callbacks recording their arguments (the same ctypes
+    prototypes and calls as libcuda's)."""
+    from evoengineer.gpu import tensormap
+
+    def encode(out, dtype, rank, address, dims, strides, box, elems, interleave, swizzle, l2, oob):
+        calls.append(("encode", out, dtype, rank, address, dims[:4], strides[:3], box[:4], elems[:4], interleave, swizzle, l2, oob))
+        ctypes.memset(out, 0xAB, MAP_BYTES)
+        return status
+
+    def replace(out, address):
+        calls.append(("replace", out, address))
+        return status
+
+    keep = [tensormap._ENCODE(encode), tensormap._REPLACE(replace)]
+    addresses = [ctypes.cast(f, ctypes.c_void_p).value for f in keep]
+    return Driver(*addresses), keep
+
+
+def test_the_driver_is_called_with_the_maps_geometry() -> None:
+    calls: list = []
+    drv, _keep = _stand_in_driver(calls)
+    storage = MapStorage(3)
+    assert all(a % 64 == 0 for a in storage.addresses) and storage.addresses[2] - storage.addresses[0] == 2 * MAP_BYTES
+    k = torch.empty(2, 4, 300, 128, dtype=torch.float16)
+    geometry = map_geometry(K_MAP, k.shape, k.stride(), "fp16")
+    drv.encode(storage.addresses[1], geometry, 0x7F0000001000)
+    drv.replace_address(storage.addresses[1], 0x7F0000002000)
+    assert calls[0] == ("encode", storage.addresses[1], 6, 4, 0x7F0000001000, [128, 300, 4, 2], [256, 76800, 307200],
+                        [64, 128, 1, 1], [1, 1, 1, 1], 0, 3, 3, 0)
+    assert calls[1] == ("replace", storage.addresses[1], 0x7F0000002000)
+    assert storage.read(1) == b"\xab" * MAP_BYTES and storage.read(0) == bytes(MAP_BYTES)
+
+
+def test_a_refusal_of_the_driver_is_an_error_naming_the_map() -> None:
+    drv, _keep = _stand_in_driver([], status=1)
+    k = torch.empty(1, 1, 64, 64, dtype=torch.float16)
+    with pytest.raises(TensorMapError, match=r"cuTensorMapEncodeTiled failed \(CUresult 1\) for dims \(64, 64, 1, 1\)"):
+        drv.encode(MapStorage(1).addresses[0], map_geometry(K_MAP, k.shape, k.stride(), "fp16"), 0x1000)
+    with pytest.raises(TensorMapError, match="libcuda|driver"):
+        Driver.load("libno-such-cuda-driver.so.1")
+
+
+def test_arguments_are_packed_by_name_with_maps_by_address() -> None:
+    rendered = render("flash_attention", SEED, Variant(64, False))
+    q, out = torch.empty(2, 8, 100, 64, dtype=torch.float16), torch.empty(2, 8, 100, 64, dtype=torch.float16)
+    k = v = torch.empty(2, 2, 100, 64, dtype=torch.float16).transpose(1, 2).contiguous().transpose(1, 2)
+    values = argument_values(q, k, v, out, 0, 0.18)
+    storage = MapStorage(3)
+    maps = {m.arg: at for m, at in zip(rendered.tensor_maps, storage.addresses)}
+    packed = pack_arguments(rendered.arguments, values, maps)
+    pointers = [ctypes.c_void_p.from_address(packed.address + 8 * i).value for i in range(len(rendered.arguments))]
+    read = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+    got = {name: (pointer if kind == "tmap" else read[kind].from_address(pointer).value)
+           for (name, kind), pointer in zip(rendered.arguments, pointers)}
+    assert got["Q"] == q.data_ptr() and got["K"] == k.data_ptr() and got["O"] == out.data_ptr()
+    assert (got["B"], got["H"], got["H_kv"], got["S_q"], got["S_k"]) == (2, 8, 2, 100, 100)
+    assert (got["k_sb"], got["k_sh"], got["k_ss"]) == k.stride()[:3] and got["scale_log2"] == pytest.approx(0.18)
+    assert [got[n] for n in ("tm_q", "tm_k", "tm_v")] == storage.addresses
+    plain = pack_arguments([a for a in rendered.arguments if a[1] != "tmap"], values, {})
+    assert ctypes.sizeof(plain.params) == 8 * (len(rendered.arguments) - 3)
+    with pytest.raises(KeyError, match="H_kv"):
+        pack_arguments(rendered.arguments, {n: v for n, v in values.items() if n != "H_kv"}, maps)
+    assert set(values) == {n for n, _ in parameter_kinds(KERNEL_ARGS)}   # every common argument has its value
+
+
+# -- export ----------------------------------------------------------------------------------------
+
+
+def test_kernel_args_need_a_declaration_for_each_tensor_map() -> None:
+    source = render("flash_attention", SEED, Variant(64, False)).source
+    with pytest.raises(ExportError, match="tm_k.*no '// TENSOR_MAP' line"):
+        kernel_args(source.replace("// TENSOR_MAP {\"arg\": \"tm_k\"", "// (none) {\"arg\": \"tm_k\""), "attn_fwd")
+    with pytest.raises(ExportError, match="declares tm_x"):
+        kernel_args(source + '\n// TENSOR_MAP {"arg": "tm_x", "tensor": "q", "box": [64, 64]}\n', "attn_fwd")
+
+
+def test_an_exported_tma_configuration_encodes_the_maps_the_search_launcher_does(tmp_path: Path) -> None:
+    times = {label: {SEED: 100.0} for label in ("B1 H8 S512 D64", "B4 H16 S2048 D64", "B4 H16 S2048 D128")}
+    export_runs([make_run(tmp_path / "run", times, sdpa={label: 120.0 for label in times})], tmp_path / "out")
+    module = load_module(tmp_path / "out")
+    spec = module.KERNELS[("fp16", 128, False, SEED.key())]
+    assert spec["args"][-3:] == [("tm_q", "tmap"), ("tm_k", "tmap"), ("tm_v", "tmap")]
+    assert [m["arg"] for m in spec["tensor_maps"]] == ["tm_q", "tm_k", "tm_v"]
+    assert [f[0] for f in module._struct_class(tuple(spec["args"]))._fields_][-1] == "scale_log2"
+
+    calls: list = []
+    drv, _keep = _stand_in_driver(calls)
+    module._TMAP_DRIVER[:] = [(drv._encode, drv._replace)]
+    try:
+        k = torch.empty(2, 300, 4, 128, dtype=torch.float16).transpose(1, 2)
+        at = MapStorage(1).addresses[0]
+        module._tmap_encode(at, spec["tensor_maps"][1], "fp16", k.shape, k.stride(), 0x10000)
+        ours = map_geometry(TensorMapArg(**{**spec["tensor_maps"][1], "box": (64, 128)}), k.shape, k.stride(), "fp16")
+        assert calls[0] == ("encode", at, 6, 4, 0x10000, list(ours.dims), list(ours.strides), list(ours.box), [1, 1, 1, 1],
+                            0, ours.swizzle, 3, 0)
+        maps = ((1, at, [0x10000]), (0, at + 128, [0x20000]))
+        module._tmap_repoint(maps, (0x20000, 0x10000, 0x30000, 0x40000))
+        assert calls[1:] == []                                     # nothing moved
+        module._tmap_repoint(maps, (0x50000, 0x60000, 0x30000, 0x40000))
+        assert calls[1:] == [("replace", at, 0x60000), ("replace", at + 128, 0x50000)]
+        with pytest.raises(ValueError, match="heads stride 0"):
+            module._tmap_geometry(spec["tensor_maps"][1], (2, 4, 300, 128), (300 * 128, 0, 128, 1))
+    finally:
+        module._TMAP_DRIVER[:] = []
+
+
+def test_the_ab_script_compiles_every_pair_without_a_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "ab.json"
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "tma_ab.py"),
+                           "--compile-only", "--config", "BLOCK_N=64,REG_PRODUCER=40,REG_CONSUMER=232", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr + done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["tma 128x128 st2 r24/240 ovl pp", "tma 128x192 st2 r24/240 ovl pp",
+                                           "tma 128x128 st2 r24/240 ovl", "tma 128x128 st3 ovl",
+                                           "tma 128x64 st2 r40/232 ovl pp"]
+    for row in rows:
+        for load in ("cpasync", "tma"):
+            assert row[load]["status"] == "compiled" and row[load]["spill_bytes"] == 0, row
