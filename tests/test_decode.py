@@ -296,7 +296,7 @@ def test_kernel_json_tells_how_decode_calls_are_served(both) -> None:
     rows = {row["case"]: row for row in info["dispatch"]["table"]}
     row = rows["B8 H32/8 S1/4096 D128 bf16"]
     assert (row["seq_q"], row["seq_k"], row["heads_kv"], row["dtype"], row["config"]) == (1, 4096, 8, "bf16", DEC_C.key())
-    assert row["config_short"] == "mma 16x64 w4 split16 g4 q-reg"
+    assert row["config_short"] == "mma 16x64 w4 q p s16 g4" == DEC_C.short_label()
     assert {rows[label]["config"] for label in (SMALL, SMALL_C, LARGE64)} == {WMMA.key(), MMA.key()}
     measured = {m["case"]: m["config"] for m in info["decode"]["measured_cases"]}
     assert measured == {label: min(times, key=times.get).key() for label, times in DECODE_TIMES.items()}
@@ -316,7 +316,7 @@ def test_leaderboard_per_shape_and_export_of_both_runs_in_the_cli(both, tmp_path
     assert max(len(line) for line in lines) <= 80
     at = next(i for i, line in enumerate(lines) if line.startswith("B1 H32 S1/8192 D128 bf16"))
     row = " ".join(lines[at:at + 2])   # the configuration column folds onto the next line
-    assert DEC_C.key()[:6] in lines[at] and "51.0" in lines[at] and "split16" in row
+    assert DEC_C.key()[:6] in lines[at] and "51.0" in lines[at] and "s16 g4" in row
     done = cli("export", str(prefill), str(decode), "--out", str(tmp_path / "best"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     probe = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import evo_attention as m\n"

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence
 
 from ..gpu import fastest_sdpa
 from ..search import RunDir, best_results
-from ..space import Case, Space, Variant, load_space
+from ..space import Case, Config, Space, Variant, load_space
 
 DISPATCH_RULE = (
     "a call (dtype, head_dim, causal, B, H, H_kv, S_q, S_k; S_q the query length, S_k the K/V length) runs the "
@@ -323,37 +323,10 @@ def _fallback(run: RunInfo, ids: dict[tuple[str, str], str], configs: dict[str, 
 
 # -- text ----------------------------------------------------------------------------------
 
-_ORDER = ("WARPS", "STAGES", "SPLITS", "KV_GROUPS", "Q_IN_REGS", "P_IN_REGS", "SMEM_LAYOUT", "VEC")
-_ABBREV = {"WARPS": "w", "VEC": "v", "STAGES": "st", "SPLITS": "split", "KV_GROUPS": "g"}
-_USUAL = {"VEC": 8, "STAGES": 1, "SPLITS": 1, "KV_GROUPS": 1, "Q_IN_REGS": 0, "P_IN_REGS": 1, "SMEM_LAYOUT": "swizzle"}
-_MMA_ONLY = ("STAGES", "SPLITS", "KV_GROUPS", "Q_IN_REGS", "P_IN_REGS", "SMEM_LAYOUT")
-
-
 def short_config(config: dict) -> str:
-    """``mma 64x128 w4 st2 split2 q-reg``: path, tile, warps and the switches that are not
-    at their usual value (parameters this function does not know: ``name=value``)."""
-    parts = []
-    if "PATH" in config:
-        parts.append(str(config["PATH"]))
-    if "BLOCK_M" in config and "BLOCK_N" in config:
-        parts.append(f"{config['BLOCK_M']}x{config['BLOCK_N']}")
-    other_path = "PATH" in config and config["PATH"] != "mma"
-    rest = [n for n in _ORDER if n in config] + sorted(n for n in config if n not in _ORDER and n not in ("PATH", "BLOCK_M", "BLOCK_N"))
-    for name in rest:
-        value = config[name]
-        if name == "WARPS":
-            parts.append(f"w{value}")
-        elif (other_path and name in _MMA_ONLY) or _USUAL.get(name) == value:
-            continue  # mma-only switches sit at one value on the other paths
-        elif name == "SMEM_LAYOUT":
-            parts.append(str(value))
-        elif name in ("Q_IN_REGS", "P_IN_REGS"):
-            parts.append(("q" if name == "Q_IN_REGS" else "p") + ("-reg" if value else "-smem"))
-        elif name in _ABBREV:
-            parts.append(f"{_ABBREV[name]}{value}")
-        else:
-            parts.append(f"{name}={value}")
-    return " ".join(parts)
+    """``mma 64x128 w4 st2 s2 q``: the configuration's ``Config.short_label``, the one label
+    every table uses."""
+    return Config(config).short_label()
 
 
 def per_shape_table(per_shape: PerShape) -> Any:
