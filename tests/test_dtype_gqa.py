@@ -71,9 +71,10 @@ def test_h100_bf16_space() -> None:
     gqa = [c for c in space.cases if c.heads_kv != c.heads]
     assert [(c.batch, c.heads, c.heads_kv, c.seq, c.head_dim) for c in gqa] == [(2, 32, 8, 2048, 128)] * 2
     assert space.tolerance("bf16") == (0.03, 0.03)
-    # the configurations of h100 without its fp16-only wgmma path (sm_90a), and the same budget
-    first = {p.name: p.values[0] for p in fp16.params}
-    assert {Config({**first, **c}) for c in space.valid_configs()} == set(fp16.for_arch("sm_90").valid_configs())
+    # the configurations of h100, its wgmma path (sm_90a) included, and the same budget
+    assert space.target.arch == fp16.target.arch == "sm_90a"
+    assert set(space.valid_configs()) == set(fp16.valid_configs())
+    assert any(c["PATH"] == "wgmma" and c["LOAD"] == "tma" for c in space.valid_configs())
     assert space.search.budget == fp16.search.budget and space.search.strategy == fp16.search.strategy
 
 
@@ -279,11 +280,11 @@ def test_bf16_render_uses_bf16_instructions_only(build) -> None:
         assert "wmma.load.a.sync.aligned.row.m16n16k16.shared.f16 { %0, %1, %2, %3, %4, %5, %6, %7 }" in fp16.source
 
 
-def test_unknown_dtype_or_bf16_on_another_path_is_a_render_error() -> None:
+def test_unknown_dtype_or_unknown_path_is_a_render_error() -> None:
     config = Config(PATH="scalar", BLOCK_M=64, BLOCK_N=64, WARPS=4, VEC=8)
     with pytest.raises(RenderError, match="UNSUPPORTED_DTYPE"):
         render("flash_attention", config, Variant(64, False, "fp8"))
-    with pytest.raises(RenderError, match="UNSUPPORTED_bf16_on_this_PATH"):
+    with pytest.raises(RenderError, match="UNKNOWN_PATH"):
         render("flash_attention", config.replace(PATH="tma"), Variant(64, False, "bf16"))
 
 

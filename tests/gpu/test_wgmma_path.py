@@ -167,3 +167,51 @@ def test_the_search_evaluates_tma_configurations_as_it_evaluates_cpasync_ones() 
             assert result.status == "ok", f"{config.short_label()}: {result.reason}"
             timed = [c for c in result.cases if c.get("time")]
             assert len(timed) == len(space.cases) and all(c["tflops"] > 0 for c in timed)
+
+
+# -- bf16 ----------------------------------------------------------------------------------------
+
+BF16_SPACE = load_space("h100-bf16")
+BF16_SEEDS = [c for c in BF16_SPACE.search.seeds if c["PATH"] == "wgmma"]   # tma 128x128, cp.async 192x128
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("config", BF16_SEEDS, ids=Config.short_label)
+def test_bf16_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
+    from evoengineer.gpu.evaluate import gate_launcher
+    from evoengineer.space import DEFAULT_TOLERANCES
+
+    atol, rtol = BF16_SPACE.tolerance("bf16")
+    assert (atol, rtol) == DEFAULT_TOLERANCES["bf16"]
+    kernel = _kernel(config, Variant(head_dim, causal, "bf16"))
+    for batch, heads, heads_kv, seq in ((2, 3, 3, 77), (1, 2, 2, 1000), (1, 1, 1, 1), (2, 8, 2, 300), (1, 8, 2, 2048)):
+        case = Case(batch, heads, seq, head_dim, causal, heads_kv=heads_kv, dtype="bf16")
+        result = gate_launcher(kernel, case, None, atol, rtol, seed=seq + heads, trials=1)
+        assert result.status == "ok", f"{case.label()}: {result.reason}"
+
+
+def test_an_exported_bf16_wgmma_configuration_runs_through_the_module(tmp_path: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+    from run_fixtures import load_module, make_run, space_doc
+
+    from evoengineer.results import export_runs
+
+    best = BF16_SEEDS[0]
+    assert best["LOAD"] == "tma"
+    doc = space_doc()
+    doc["problem"]["dtype"] = "bf16"
+    times = {label: {best: 100.0} for label in ("B1 H8 S512 D64 bf16", "B4 H16 S2048 D64 bf16", "B4 H16 S2048 D128 bf16",
+                                                "B4 H16 S2048 D128 causal bf16")}
+    export_runs([make_run(tmp_path / "run", times, sdpa={label: 120.0 for label in times}, space=doc)], tmp_path / "out")
+    module = load_module(tmp_path / "out")
+    atol, rtol = BF16_SPACE.tolerance("bf16")
+    for d, causal, seq, heads_kv in ((128, False, 2048, 4), (128, True, 1000, 4), (64, False, 77, 4), (128, True, 300, 2)):
+        q = torch.randn(2, 4, seq, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, heads_kv, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        assert module.explain(q, k, v, is_causal=causal, enable_gqa=True)["config"] == best.key()
+        got = module.attention(q, k, v, is_causal=causal, enable_gqa=True)
+        assert got.dtype == torch.bfloat16
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=True)
+        torch.testing.assert_close(got.float(), ref, atol=atol, rtol=rtol, msg=f"D{d} causal {causal} S {seq} H_kv {heads_kv}")
