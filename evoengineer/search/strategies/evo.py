@@ -5,7 +5,8 @@ The population is not held in memory: it is the ``population`` best completed tr
 the study, so every worker sharing the study breeds from the same parents, the best are
 always kept (elitism, a (mu + lambda) scheme) and failures are never parents.
 Generation 0 is the space's seed configurations, then random valid ones until ``init``
-trials. After that each proposal gathers candidates, all valid and unseen:
+trials (by default one per parameter that takes more than one value). After that each
+proposal gathers candidates, all valid and unseen:
 
 - ``candidates`` children of the population (tournament selection, uniform crossover,
   mutation to neighbouring values);
@@ -21,8 +22,12 @@ unseen valid configuration is a candidate. With probability ``immigrant_rate`` a
 a random configuration instead.
 
 ``model="kr"`` screens the children alone by the kernel regression's predicted mean
-(``surrogate.py``, the strategy before the Gaussian process: ``radius=0, init=6``);
+(``surrogate.py``; with ``init=6``, the strategy before the Gaussian process);
 ``candidates=1, radius=0`` is the plain genetic algorithm.
+
+Measured on exhaustive recordings (``benchmarks/README.md``): within 2% of the optimum of the
+686-configuration D128 recording in a median 22 evaluations over 100 seeds, against 30 for
+the kernel-regression screen.
 """
 from __future__ import annotations
 
