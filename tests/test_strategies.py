@@ -8,6 +8,7 @@ import statistics
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution
@@ -18,6 +19,7 @@ from evoengineer.search.strategies import (
     CLAIM_KEY,
     SAMPLERS,
     EvoSampler,
+    History,
     make_sampler,
     strategy_options,
     suggest_config,
@@ -196,13 +198,117 @@ def test_evo_first_generation_starts_with_the_seeds(recording) -> None:
     assert "child" in origins[first:] and "seed" not in origins[first:]
 
 
-def test_evo_screens_children_with_the_surrogate(recording) -> None:
-    """Each child evaluated is the one of its candidates the kernel regression ranks first:
-    with the surrogate, evo gets within 2% of the optimum in fewer evaluations than without."""
+def test_evo_model_beats_the_plain_genetic_algorithm(recording) -> None:
+    """Each proposal is the candidate of highest expected improvement under the Gaussian
+    process: with it, evo gets within 2% of the optimum in fewer evaluations than the plain
+    genetic algorithm (one child, no neighbours, nothing to choose from)."""
     evaluator, space, valid = recording
-    screened = [_evaluations_to_optimum("evo", s, evaluator, space, len(valid)) for s in RACE_SEEDS]
-    plain = [_evaluations_to_optimum_with("evo", s, evaluator, space, len(valid), candidates=1) for s in RACE_SEEDS]
-    assert statistics.median(screened) < statistics.median(plain), (sorted(screened), sorted(plain))
+    guided = [_evaluations_to_optimum("evo", s, evaluator, space, len(valid)) for s in RACE_SEEDS]
+    plain = [_evaluations_to_optimum_with("evo", s, evaluator, space, len(valid), candidates=1, radius=0)
+             for s in RACE_SEEDS]
+    assert statistics.median(guided) < statistics.median(plain), (sorted(guided), sorted(plain))
+
+
+def test_evo_reaches_the_optimum_within_25_evaluations(recording) -> None:
+    """Within 2% of the recorded optimum in at most 25 evaluations (the space's seeds
+    included) for at least 8 of 9 seeds: 208 and 244 configurations, random search needs ~100."""
+    evaluator, space, valid = recording
+    runs = [_evaluations_to_optimum("evo", s, evaluator, space, 25) for s in RACE_SEEDS]
+    assert sum(r <= 25 for r in runs) >= 8, sorted(runs)
+
+
+def test_evo_kernel_regression_screen_still_runs(recording) -> None:
+    evaluator, space, valid = recording
+    sampler = make_sampler("evo", space, seed=1, model="kr", radius=0, init=6)
+    study = run_replay(space, sampler, evaluator, 30)
+    configs = _configs(study, space)
+    assert len(set(configs)) == 30 and all(space.contains(c) for c in configs)
+    with pytest.raises(ValueError, match="model"):
+        make_sampler("evo", space, model="forest")
+
+
+def _history(space: Space, valid: tuple[Config, ...], evaluator: ReplayEvaluator, n: int, seed: int) -> History:
+    """A study's history after ``n`` random valid configurations (failures included)."""
+    import random
+
+    picks = random.Random(seed).sample(list(valid), n)
+    results = {c: evaluator.evaluate(c) for c in picks}
+    complete = sorted(((c, r.objective_us) for c, r in results.items() if r.ok), key=lambda cv: cv[1])
+    return History(seen=set(picks), complete=complete, failed=[c for c, r in results.items() if not r.ok], n_trials=n)
+
+
+def test_evo_model_step_proposes_valid_unseen_configurations(recording) -> None:
+    """The model step (the unseen valid configuration of highest expected improvement over
+    the whole space) never proposes an invalid or evaluated configuration, also while other
+    trials are pending, until the space is exhausted."""
+    evaluator, space, valid = recording
+    sampler = make_sampler("evo", space, seed=0)
+    history = _history(space, valid, evaluator, 12, seed=3)
+    proposed = []
+    for _ in range(40):  # each proposal pending: the next must differ
+        proposal = sampler.best_unseen(history)
+        assert proposal.origin == "model"
+        assert space.contains(proposal.config) and proposal.config not in history.seen
+        proposed.append(proposal.config)
+        history.seen.add(proposal.config)
+    assert len(set(proposed)) == 40
+    history.seen |= set(valid)
+    assert sampler.best_unseen(history).origin == "repeat"
+
+
+def test_evo_candidates_are_children_and_neighbours_of_the_best(recording) -> None:
+    """After the initial design every proposal is a child, a neighbour of one of the
+    ``elites`` best (at most ``radius`` parameters changed, ordinal ones by one step), the
+    model's pick over the whole space or an immigrant; all valid and new."""
+    evaluator, space, valid = recording
+    sampler = make_sampler("evo", space, seed=4)
+    study = run_replay(space, sampler, evaluator, 30)
+    trials = sorted(study.trials, key=lambda t: t.number)
+    origins = [t.system_attrs[CLAIM_KEY]["origin"] for t in trials]
+    assert set(origins[sampler.init:]) <= {"child", "neighbour", "model", "immigrant"}
+    assert {"child", "neighbour"} <= set(origins[sampler.init:])
+    history = sampler.history(study)
+    best = history.complete[0][0]
+    near = sampler.neighbours(best, history)
+    assert near and set(near) <= set(valid) and not set(near) & history.seen
+    assert set(sampler.neighbours(best, history, radius=1)) <= set(near)
+    for config in near:
+        changed = [p for p in space.params if config[p.name] != best[p.name]]
+        assert 1 <= len(changed) <= sampler.radius
+        for p in changed:
+            if p.ordinal:
+                assert abs(p.values.index(config[p.name]) - p.values.index(best[p.name])) == 1
+
+
+def test_gaussian_process_interpolates_and_ranks(recording) -> None:
+    from evoengineer.search.strategies.gp import Encoder, GaussianProcess
+
+    evaluator, space, valid = recording
+    ok = sorted(((c, evaluator.evaluate(c).objective_us) for c in valid if evaluator.evaluate(c).ok), key=lambda cv: cv[1])
+    encode = Encoder(space)
+    train = ok[::3]
+    gp = GaussianProcess().fit(encode([c for c, _ in train]), [v for _, v in train])
+    mean, std = gp.predict(encode([c for c, _ in train[:5]]))
+    assert np.allclose(np.exp(mean), [v for _, v in train[:5]], rtol=0.35)
+    held = ok[1::3]
+    mean, _ = gp.predict(encode([c for c, _ in held]))
+    assert np.corrcoef(np.argsort(np.argsort(mean)), np.arange(len(held)))[0, 1] > 0.5  # held out, ranked
+    # a pending configuration counts as average: its expected improvement drops
+    x = encode([ok[1][0]])
+    rest = [cv for cv in train if cv[0] != ok[1][0]]
+    before = GaussianProcess().fit(encode([c for c, _ in rest]), [v for _, v in rest]).expected_improvement(x)
+    after = GaussianProcess().fit(encode([c for c, _ in rest]), [v for _, v in rest], pending=x).expected_improvement(x)
+    assert after[0] < before[0]
+    # failures stay out of the regression; near them the chance to run drops
+    xr = encode([c for c, _ in rest])
+    assert np.all(gp.feasibility(xr, xr, xr[:0]) == 1.0)
+    near_failure = gp.feasibility(x, xr, x)[0]
+    assert 0.0 < near_failure < gp.feasibility(x, xr, xr[:1] + 100.0)[0] <= 1.0
+    # beyond max_points the best half is kept
+    small = GaussianProcess(max_points=20).fit(encode([c for c, _ in ok]), [v for _, v in ok])
+    assert len(small._x) == 20 and small.best == pytest.approx(np.log(ok[0][1]))
+    with pytest.raises(ValueError, match="length scales"):
+        GaussianProcess(length_scales=())
 
 
 def test_kernel_regression_ranks_near_good_configurations_first(recording) -> None:
