@@ -271,7 +271,7 @@ def input_sets(case: Case, flush_l2: bool, seed: int) -> list[tuple[Any, Any, An
 
 
 def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None, timing: dict, seed: int,
-                  tolerance: tuple[float, float] | None = None, spent: dict[str, float] | None = None) -> dict:
+                  tolerance: tuple[float, float] | None = None) -> dict:
     """Device time of ``launcher`` on ``case`` (``time_graph`` with the space's protocol):
     ``{"status": "ok", "time": {...}}``.
 
@@ -279,14 +279,10 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
     every output is poisoned with NaN, and after the replays the first output must match
     an eager launch on the same inputs (which the gate has checked) and every output must
     be finite. Work done on another stream, or only at capture time, is not in the graph
-    and leaves NaN behind: ``{"status": "incorrect", "reason": ...}``. ``spent`` gets the
-    host seconds per step (as ``time_graph``'s, plus inputs and check).
+    and leaves NaN behind: ``{"status": "incorrect", "reason": ...}``.
     """
     import torch
 
-    from .timing import time_graph
-
-    started = time.perf_counter()
     sets = input_sets(case, timing["flush_l2"], seed)
     ops = [lambda s=s: launcher(s[0], s[1], s[2], s[3], scale) for s in sets]
     expected = None
@@ -295,8 +291,6 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
         launcher(q, k, v, out, scale)
         torch.cuda.synchronize()
         expected = out.float()
-    if spent is not None:
-        spent["inputs"] = spent.get("inputs", 0.0) + time.perf_counter() - started
 
     def poison() -> None:
         torch.cuda.synchronize()  # work the launcher queued elsewhere while capturing lands before the poison
@@ -304,10 +298,7 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
             s[3].fill_(float("nan"))
 
     try:
-        result = time_graph(ops, repetitions=timing["repetitions"], warmup=timing["warmup"],
-                            min_repetitions=timing.get("min_repetitions"), precision=timing.get("precision", 0.0),
-                            after_capture=poison if expected is not None else None, spent=spent,
-                            give_up_above_us=timing.get("give_up_above_us"))
+        result = _time_ops(ops, timing, after_capture=poison if expected is not None else None)
     except _KernelFault:
         raise
     except Exception as exc:  # noqa: BLE001 - e.g. a capture refused: the context may be unusable, restart the worker
@@ -315,13 +306,10 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
     _sync()
     torch.cuda.synchronize()
     if expected is not None:
-        checked = time.perf_counter()
         reason, _, _ = check_output(sets[0][3], expected, *tolerance)
         unwritten = next((i for i, s in enumerate(sets) if not bool(torch.isfinite(s[3]).all())), None)
         if not reason and unwritten is not None:
             reason = f"output of input set {unwritten} not finite or never written"
-        if spent is not None:
-            spent["check"] = spent.get("check", 0.0) + time.perf_counter() - checked
         if reason:
             return {"status": "incorrect", "reason": f"timed launch did not produce the output on the launch stream: {reason}"}
     return {"status": "ok", "time": result.to_json()}
@@ -373,7 +361,7 @@ def _sdpa_job(job: dict) -> dict:
     for backend in job["backends"]:
         try:
             ops = [sdpa_op(backend, q, k, v, case.causal, job["scale"]) for q, k, v, _ in sets]
-            timed = _time_ops(ops, job["timing"])
+            timed = _time_ops(ops, job["timing"]).to_json()
             out[backend] = {"status": "ok", "time": timed, "tflops": case.flops() / (timed["median_us"] * 1e-6) / 1e12}
         except Exception as exc:  # noqa: BLE001 - a backend that does not support the shape is a row, not a crash
             torch.cuda.synchronize()
@@ -381,11 +369,14 @@ def _sdpa_job(job: dict) -> dict:
     return {"status": "ok", "backends": out}
 
 
-def _time_ops(ops: Sequence[Callable[[], Any]], timing: dict) -> dict:
+def _time_ops(ops: Sequence[Callable[[], Any]], timing: dict, **extra: Any) -> Any:
+    """``time_graph`` under a timing protocol (``Timing.protocol()``, plus a job's
+    ``give_up_above_us``): the one place a protocol becomes time_graph's arguments."""
     from .timing import time_graph
 
     return time_graph(ops, repetitions=timing["repetitions"], warmup=timing["warmup"],
-                      min_repetitions=timing.get("min_repetitions"), precision=timing.get("precision", 0.0)).to_json()
+                      min_repetitions=timing.get("min_repetitions"), precision=timing.get("precision", 0.0),
+                      give_up_above_us=timing.get("give_up_above_us"), **extra)
 
 
 def gpu_info() -> dict:

@@ -96,7 +96,6 @@ def time_graph(
     min_repetitions: int | None = None,
     precision: float = 0.0,
     after_capture: Callable[[], object] | None = None,
-    spent: dict[str, float] | None = None,
     give_up_above_us: float | None = None,
     max_warmup_ms: float = 25.0,
 ) -> DeviceTime:
@@ -108,20 +107,8 @@ def time_graph(
     median's relative standard error is below ``precision``. ``after_capture`` runs after
     the graph is captured and before its first replay (to poison outputs the replay must
     write). ``give_up_above_us``: stop after five samples whose median is above it.
-    ``spent``, if given, gets the host seconds of each step (eager, capture, warmup,
-    samples).
     """
-    import time
-
     import torch
-
-    clock = [time.perf_counter()]
-
-    def step(name: str) -> None:
-        now = time.perf_counter()
-        if spent is not None:
-            spent[name] = spent.get(name, 0.0) + now - clock[0]
-        clock[0] = now
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -140,7 +127,6 @@ def time_graph(
     rough_us = max(start.elapsed_time(end) * 1e3 / len(ops), 1.0)
     launches = max(len(ops), min(max_launches, math.ceil(target_sample_us / rough_us)))
     repetitions = max(5, min(repetitions, int(max_total_ms * 1e3 / (launches * rough_us))))
-    step("eager")
 
     # capture_begin/end rather than ``torch.cuda.graph``, whose entry empties the caching
     # allocator (and may collect garbage): the next inputs would pay cudaMalloc again.
@@ -152,14 +138,12 @@ def time_graph(
                 ops[i % len(ops)]()
         finally:
             graph.capture_end()
-    step("capture")
     if after_capture is not None:
         after_capture()
     sample_ms = launches * rough_us / 1e3
     for _ in range(max(1, min(warmup, math.ceil(max_warmup_ms / sample_ms)))):
         graph.replay()
     torch.cuda.synchronize()
-    step("warmup")
 
     at_least = repetitions if min_repetitions is None else max(5, min(repetitions, min_repetitions))
     samples: list[float] = []
@@ -182,7 +166,6 @@ def time_graph(
             break
         batch = at_least - n if n < at_least else min(10, repetitions - n)
     del graph
-    step("samples")
     return DeviceTime(
         median_us=statistics.median(samples),
         p20_us=quantile(samples, 0.2),
