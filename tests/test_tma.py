@@ -34,6 +34,7 @@ from evoengineer.space import Config, Variant, load_space
 SPACE = load_space("h100")
 SEED = next(c for c in SPACE.search.seeds if c["PATH"] == "wgmma" and c["LOAD"] == "tma")
 NO_PRODUCER = SEED.replace(PRODUCER=0, REG_PRODUCER=0, REG_CONSUMER=0, PINGPONG=0, STAGES=3)
+PERSISTENT = SEED.replace(PERSISTENT=1)
 
 
 def _nvdisasm() -> str | None:
@@ -85,7 +86,7 @@ def test_tensor_map_lines_are_checked() -> None:
         render("flash_attention", SEED.replace(LOAD="bulk"), Variant(64, False))
 
 
-@pytest.mark.parametrize("config", [SEED, NO_PRODUCER], ids=Config.short_label)
+@pytest.mark.parametrize("config", [SEED, NO_PRODUCER, PERSISTENT], ids=Config.short_label)
 @pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True)])
 def test_tma_configurations_compile_for_sm_90a_without_spills(config: Config, head_dim: int, causal: bool) -> None:
     rendered = render("flash_attention", config, Variant(head_dim, causal))
@@ -111,7 +112,36 @@ def test_tma_costs_the_consumers_no_registers() -> None:
         assert tma.ok and cpasync.ok and tma.registers <= cpasync.registers, (tma.registers, cpasync.registers)
 
 
+def test_a_persistent_kernel_launches_one_cta_per_multiprocessor_at_most() -> None:
+    plain = render("flash_attention", SEED, Variant(128, True))
+    rendered = render("flash_attention", PERSISTENT, Variant(128, True))
+    launch = rendered.launches[0]
+    assert launch.persistent and not plain.launches[0].persistent
+    assert rendered.launch_metadata()["launches"][0]["persistent"] is True
+    assert "persistent" not in plain.launch_metadata()["launches"][0]
+    assert plain.launches[0].grid(4, 16, 2048, 132) == (16, 64, 1)      # a CTA per work tile
+    assert launch.grid(4, 16, 2048, 132) == (132, 1, 1)                  # 1024 work tiles over 132 CTAs
+    assert launch.grid(1, 2, 5, 132) == (2, 1, 1)                        # fewer tiles than multiprocessors
+    assert launch.grid(4, 16, 2048) == (1024, 1, 1)                      # no count given: a CTA per tile
+    assert "PERSISTENT" in render("flash_attention", PERSISTENT, Variant(64, False)).source
+
+
+def test_persistent_needs_a_producer_and_tma() -> None:
+    with pytest.raises(RenderError, match="PERSISTENT_REQUIRES_PRODUCER_AND_TMA"):
+        render("flash_attention", PERSISTENT.replace(LOAD="cpasync"), Variant(64, False))
+    with pytest.raises(RenderError, match="PERSISTENT_REQUIRES_PRODUCER_AND_TMA"):
+        render("flash_attention", NO_PRODUCER.replace(PERSISTENT=1), Variant(64, False))
+
+
 # -- the space -----------------------------------------------------------------------------------
+
+
+def test_persistent_varies_where_a_tma_producer_loads_and_each_has_its_twin() -> None:
+    valid = list(SPACE.valid_configs())
+    persistent = [c for c in valid if c["PERSISTENT"]]
+    assert persistent and all(c["PATH"] == "wgmma" and c["PRODUCER"] == 1 and c["LOAD"] == "tma" for c in persistent)
+    assert all(SPACE.contains(c.replace(PERSISTENT=0)) for c in persistent)
+    assert any(c["BLOCK_N"] == 176 for c in persistent)
 
 
 def test_load_varies_on_the_wgmma_path_only_and_no_configuration_repeats() -> None:
@@ -273,7 +303,7 @@ def test_an_exported_tma_configuration_encodes_the_maps_the_search_launcher_does
 
 def test_the_ab_script_compiles_every_pair_without_a_gpu(tmp_path: Path) -> None:
     out = tmp_path / "ab.json"
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "tma_ab.py"),
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "wgmma_ab.py"),
                            "--compile-only", "--config", "BLOCK_N=64,REG_PRODUCER=40,REG_CONSUMER=232", "--json", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr + done.stdout
@@ -284,3 +314,19 @@ def test_the_ab_script_compiles_every_pair_without_a_gpu(tmp_path: Path) -> None
     for row in rows:
         for load in ("cpasync", "tma"):
             assert row[load]["status"] == "compiled" and row[load]["spill_bytes"] == 0, row
+
+
+def test_the_ab_script_pairs_another_parameter(tmp_path: Path) -> None:
+    out = tmp_path / "ab.json"
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "wgmma_ab.py"),
+                           "--compile-only", "--param", "PERSISTENT=0,1", "--config", "BLOCK_N=176", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr + done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["tma 128x128 st2 r24/240 ovl pp pers", "tma 128x176 st2 r24/240 ovl pp pers"]
+    for row in rows:
+        for value in ("0", "1"):
+            assert row[value]["status"] == "compiled" and row[value]["spill_bytes"] == 0, row
+    bad = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "wgmma_ab.py"),
+                          "--compile-only", "--param", "PERSISTENT=1", "--json", str(out)], capture_output=True, text=True)
+    assert bad.returncode != 0 and "expected NAME=A,B" in bad.stderr

@@ -8,6 +8,7 @@ its tensors, encoded per call (``tensormap.py``), and is launched through the dr
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -105,7 +106,7 @@ class AttentionKernel:
         )
         with cupy_stream(torch.cuda.current_stream(q.device)):
             for launch, fn in zip(self.rendered.launches, self._functions):
-                fn(launch.grid(batch, heads, seq_q), launch.block, args, shared_mem=launch.smem)
+                fn(launch.grid(batch, heads, seq_q, multiprocessors(q.device)), launch.block, args, shared_mem=launch.smem)
         return out
 
     def _launch_with_maps(self, q: Any, k: Any, v: Any, out: Any, values: dict) -> Any:
@@ -130,9 +131,18 @@ class AttentionKernel:
         stream = torch.cuda.current_stream(q.device).cuda_stream
         with cupy.cuda.Device(q.get_device()):
             for launch, fn in zip(self.rendered.launches, self._functions):
-                cupy.cuda.driver.launchKernel(fn.kernel.ptr, *launch.grid(batch, heads, seq_q), *launch.block, launch.smem,
+                grid = launch.grid(batch, heads, seq_q, multiprocessors(q.device))
+                cupy.cuda.driver.launchKernel(fn.kernel.ptr, *grid, *launch.block, launch.smem,
                                               stream, packed.address, 0)
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: Any) -> int:
+    """The multiprocessor count of a torch device (a persistent kernel's grid)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def argument_values(q: Any, k: Any, v: Any, out: Any, ws_ptr: int, scale_log2: float) -> dict[str, int | float]:

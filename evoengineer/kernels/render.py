@@ -6,7 +6,9 @@ A template declares its own launches in comment lines of the rendered source::
     // WORKSPACE_FLOATS_PER_ROW 0
     // TENSOR_MAP {"arg": "tm_k", "tensor": "k", "box": [64, 128], "swizzle": 128}
 
-Each launch runs over ``grid = (ceil(S_q / rows_per_cta), B * H, grid_z)``; launches
+Each launch runs over ``grid = (ceil(S_q / rows_per_cta), B * H, grid_z)``, or, with
+``"persistent": true``, over one CTA per multiprocessor at most (``(min(tiles, SMs), 1, 1)``,
+the kernel walks the ``ceil(S_q / rows_per_cta) * B * H`` work tiles itself); launches
 run in order with the same arguments (a split-K/V kernel followed by its combine
 step, say). Every kernel takes the same argument list, see ``KERNEL_ARGS``, followed by
 one ``const __grid_constant__ CUtensorMap`` per ``// TENSOR_MAP`` line, in their order
@@ -54,8 +56,14 @@ class Launch:
     smem: int
     rows_per_cta: int
     grid_z: int = 1
+    persistent: bool = False
 
-    def grid(self, batch: int, heads: int, seq_q: int) -> tuple[int, int, int]:
+    def grid(self, batch: int, heads: int, seq_q: int, sms: int | None = None) -> tuple[int, int, int]:
+        """The launch grid; a persistent kernel gets at most ``sms`` CTAs (every work tile
+        its own CTA when ``sms`` is None: correct, only not persistent)."""
+        if self.persistent:
+            tiles = math.ceil(seq_q / self.rows_per_cta) * batch * heads
+            return (max(1, min(tiles, sms or tiles)), 1, 1)
         return (math.ceil(seq_q / self.rows_per_cta), batch * heads, self.grid_z)
 
     @property
@@ -142,7 +150,8 @@ class Rendered:
             "config": self.config.to_dict(),
             "variant": {"head_dim": self.variant.head_dim, "causal": self.variant.causal, "dtype": self.variant.dtype},
             "launches": [
-                {"kernel": l.kernel, "block": list(l.block), "smem": l.smem, "rows_per_cta": l.rows_per_cta, "grid_z": l.grid_z}
+                {"kernel": l.kernel, "block": list(l.block), "smem": l.smem, "rows_per_cta": l.rows_per_cta, "grid_z": l.grid_z,
+                 **({"persistent": True} if l.persistent else {})}
                 for l in self.launches
             ],
             "workspace_floats_per_row": self.workspace_floats_per_row,
@@ -233,6 +242,7 @@ def _parse_metadata(source: str) -> tuple[list[Launch], int, list[TensorMapArg]]
                     smem=int(meta["smem"]),
                     rows_per_cta=int(meta["rows_per_cta"]),
                     grid_z=int(meta.get("grid_z", 1)),
+                    persistent=bool(meta.get("persistent", False)),
                 )
             )
         elif stripped.startswith("// WORKSPACE_FLOATS_PER_ROW "):

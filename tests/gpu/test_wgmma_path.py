@@ -28,13 +28,21 @@ NEIGHBOURS = [
 ]
 TMA = [TMA_SEED] + [c.replace(LOAD="tma") for c in SEEDS + NEIGHBOURS] + [
     SEEDS[1].replace(BLOCK_N=64, LOAD="tma"),                      # a 24-register producer at BLOCK_N 64 (TMA only)
+    TMA_SEED.replace(BLOCK_N=176),                                  # 11 key steps of 16 per tile
 ]
-CONFIGS = [c for c in SEEDS + NEIGHBOURS + TMA if SPACE.contains(c)]
-SHAPES = [(1, 8, 512), (2, 3, 77), (1, 2, 5), (1, 1, 1), (1, 1, 257), (1, 2, 1000), (1, 2, 2048)]
+PERSISTENT = [
+    TMA_SEED.replace(PERSISTENT=1),
+    TMA_SEED.replace(BLOCK_N=176, PERSISTENT=1),
+    TMA_SEED.replace(INTRA_WG_OVERLAP=0, PINGPONG=0, STAGES=3, PERSISTENT=1),
+    SEEDS[2].replace(LOAD="tma", PERSISTENT=1),                    # three consumer warpgroups, four stages
+]
+CONFIGS = [c for c in SEEDS + NEIGHBOURS + TMA + PERSISTENT if SPACE.contains(c)]
+# ... plus 80 heads of 2048 keys: causal persistent CTAs take three sections of heads (32, 32, 16 at D128)
+SHAPES = [(1, 8, 512), (2, 3, 77), (1, 2, 5), (1, 1, 1), (1, 1, 257), (1, 2, 1000), (1, 2, 2048), (2, 40, 2048)]
 
 
 def test_the_configurations_are_in_the_space() -> None:
-    assert len(SEEDS) >= 4 and len(CONFIGS) == len(SEEDS) + len(NEIGHBOURS) + len(TMA) == len(set(CONFIGS))
+    assert len(SEEDS) >= 4 and len(CONFIGS) == len(SEEDS) + len(NEIGHBOURS) + len(TMA) + len(PERSISTENT) == len(set(CONFIGS))
 
 
 def _kernel(config: Config, variant: Variant):
@@ -62,7 +70,8 @@ def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma")], ids=Config.short_label)
+@pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), PERSISTENT[0]],
+                         ids=Config.short_label)
 def test_query_and_key_lengths_may_differ_and_kv_heads_may_be_grouped(config: Config, causal: bool, head_dim: int) -> None:
     import torch
     import torch.nn.functional as F
@@ -116,7 +125,7 @@ def test_a_tma_kernel_refuses_tensors_its_maps_cannot_describe() -> None:
         kernel(q, k, k, torch.empty_like(q))
 
 
-@pytest.mark.parametrize("best", [SEEDS[0], TMA_SEED], ids=Config.short_label)
+@pytest.mark.parametrize("best", [SEEDS[0], TMA_SEED, PERSISTENT[0]], ids=Config.short_label)
 def test_an_exported_wgmma_configuration_runs_through_the_module(tmp_path: Path, best: Config) -> None:
     import torch
     import torch.nn.functional as F

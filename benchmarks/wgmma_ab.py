@@ -1,19 +1,21 @@
-"""A/B of the wgmma path's loads: each configuration with LOAD=cpasync and with LOAD=tma,
-evaluated as a search evaluates it, on large shapes, full and causal.
+"""A/B of one wgmma-path parameter: each configuration with two values of it (by default
+LOAD=cpasync against LOAD=tma), evaluated as a search evaluates it, on large shapes, full and causal.
 
-    python benchmarks/tma_ab.py                      # the TMA seed and three neighbours, both loads
-    python benchmarks/tma_ab.py --rounds 3 --json tma_ab.json
-    python benchmarks/tma_ab.py --config PATH=wgmma,...,LOAD=tma   # more pairs (either LOAD names the pair)
-    python benchmarks/tma_ab.py --compile-only       # no GPU: render and compile every kernel for sm_90a
+    python benchmarks/wgmma_ab.py                    # the TMA seed and three neighbours, both loads
+    python benchmarks/wgmma_ab.py --rounds 3 --json ab.json
+    python benchmarks/wgmma_ab.py --config BLOCK_N=192           # more pairs over the TMA seed
+    python benchmarks/wgmma_ab.py --param PERSISTENT=0,1 --config BLOCK_N=176   # another parameter
+    python benchmarks/wgmma_ab.py --compile-only     # no GPU: render and compile every kernel for sm_90a
 
 Each configuration goes through ``evoengineer.gpu.Evaluator``, the search's harness: compiled for
 sm_90a, gated against fp32 SDPA on the cases plus the edge shapes (1, 5, 77, 257 tokens) in a
 crash-isolating worker process, then timed by CUDA-graph replay with inputs rotated so the L2
 holds none of them (device time, median of the replays). A kernel that faults or hangs becomes a
 status (launch_failed, crashed, timeout), its worker is replaced and the A/B goes on. With
-``--rounds N`` the loads alternate N times and each case keeps the median. Prints per case the
-TF/s of both loads, tma / cpasync (above 1: TMA is faster) and the largest absolute error
-against SDPA of each.
+``--rounds N`` the two values alternate N times and each case keeps the median. Prints per case
+the TF/s of both, B / A (the second value's speed over the first's: above 1, B is faster) and
+the largest absolute error against SDPA of each. The TMA seed's neighbours are pairs of the
+default parameter (LOAD) only; for another, the seed and each ``--config``.
 """
 from __future__ import annotations
 
@@ -48,11 +50,22 @@ def ab_space(shapes: list[tuple[int, int, int, int]], timeout_s: float, repetiti
     return replace(SPACE, cases=cases, timing=timing)
 
 
-def pairs(extra: list[str]) -> list[dict[str, Config]]:
-    """(cpasync, tma) of the seed, its neighbours and each ``--config``; SystemExit for one outside the space."""
+def parse_param(text: str) -> tuple[str, tuple]:
+    """``NAME=A,B`` -> (NAME, (A, B)) with values typed as ``--config`` types them."""
+    name, _, values = text.partition("=")
+    typed = tuple(Config.parse(f"{name}={v}")[name] for v in values.split(","))
+    if not name or len(typed) != 2:
+        raise SystemExit(f"--param: expected NAME=A,B, got {text!r}")
+    return name, typed
+
+
+def pairs(extra: list[str], param: tuple[str, tuple] = ("LOAD", ("cpasync", "tma"))) -> list[dict[str, Config]]:
+    """(A, B) of the seed, its neighbours (LOAD only) and each ``--config``; SystemExit for one outside the space."""
+    name, values = param
     found = []
-    for config in [SEED, *NEIGHBOURS, *(Config({**dict(SEED), **dict(Config.parse(text))}) for text in extra)]:
-        pair = {load: config.replace(LOAD=load) for load in ("cpasync", "tma")}
+    base = [SEED, *NEIGHBOURS] if name == "LOAD" else [SEED]
+    for config in [*base, *(Config({**dict(SEED), **dict(Config.parse(text))}) for text in extra)]:
+        pair = {str(v): config.replace(**{name: v}) for v in values}
         for c in pair.values():
             if not SPACE.contains(c):
                 raise SystemExit(f"not in the h100 space: {c.label()} ({'; '.join(SPACE.violations(c)) or 'unknown parameter'})")
@@ -62,21 +75,22 @@ def pairs(extra: list[str]) -> list[dict[str, Config]]:
 
 
 def compile_only(space, found: list[dict[str, Config]], console: Console) -> dict:
+    a, b = found[0]
     table = Table(title="sm_90a builds (every variant): registers at launch, spills")
-    for column in ("configuration", "cpasync", "tma"):
+    for column in ("configuration", a, b):
         table.add_column(column)
     rows, ok = [], True
     for pair in found:
         cells = {}
-        for load, config in pair.items():
+        for value, config in pair.items():
             report = build_config(space.template, config, space.variants, "sm_90a", space.target.smem_per_block)
             ok &= report.status == "compiled"
-            cells[load] = {"status": report.status, "registers": report.registers, "spill_bytes": report.spill_bytes,
-                           "smem": report.smem, "error": report.error}
-        rows.append({"config": pair["tma"].short_label(), **cells})
-        table.add_row(pair["cpasync"].short_label(), *(
+            cells[value] = {"status": report.status, "registers": report.registers, "spill_bytes": report.spill_bytes,
+                            "smem": report.smem, "error": report.error}
+        rows.append({"config": pair[b].short_label(), **cells})
+        table.add_row(pair[a].short_label(), *(
             f"{c['registers']} regs, {c['spill_bytes']} B spilled" if c["status"] == "compiled" else c["error"][:60]
-            for c in (cells["cpasync"], cells["tma"])))
+            for c in (cells[a], cells[b])))
     console.print(table)
     return {"compile_only": True, "ok": ok, "rows": rows}
 
@@ -91,13 +105,13 @@ def evaluate_all(space, found: list[dict[str, Config]], rounds: int, device: int
                       f"cupy {info.get('cupy')}")
         for r in range(rounds):
             for i, pair in enumerate(found):
-                for load, config in pair.items():
+                for value, config in pair.items():
                     result = evaluator.evaluate(config)
-                    entry = figures.setdefault((i, load), {"status": "ok", "reason": "", "cases": {}, "resources": {}})
+                    entry = figures.setdefault((i, value), {"status": "ok", "reason": "", "cases": {}, "resources": {}})
                     entry["resources"] = result.resources
                     if result.status != "ok":
                         entry.update(status=result.status, reason=result.reason)
-                        console.print(f"[red]round {r + 1} #{i + 1} {load}: {result.status}[/] {result.reason[:300]}")
+                        console.print(f"[red]round {r + 1} #{i + 1} {value}: {result.status}[/] {result.reason[:300]}")
                         continue
                     for case in result.cases:
                         if case.get("time"):
@@ -105,35 +119,34 @@ def evaluate_all(space, found: list[dict[str, Config]], rounds: int, device: int
                             per["us"].append(case["time"]["median_us"])
                             per["tflops"].append(case["tflops"])
                             per["max_abs_err"] = max(per["max_abs_err"], case.get("max_abs_err") or 0.0)
-                    console.print(f"round {r + 1} #{i + 1} {load}: ok, geomean {result.objective_us:.1f} µs")
+                    console.print(f"round {r + 1} #{i + 1} {value}: ok, geomean {result.objective_us:.1f} µs")
     return {"gpu": info, "figures": figures}
 
 
-def report(space, found: list[dict[str, Config]], figures: dict, console: Console) -> list[dict]:
-    table = Table(title="LOAD=cpasync against LOAD=tma: TF/s (median of rounds), tma / cpasync, max |error| against fp32 SDPA")
-    for column, justify in (("#", "right"), ("case", "left"), ("cpasync TF/s", "right"), ("tma TF/s", "right"),
-                            ("tma/cpasync", "right"), ("err cpasync", "right"), ("err tma", "right")):
+def report(space, found: list[dict[str, Config]], figures: dict, console: Console, name: str = "LOAD") -> list[dict]:
+    a, b = found[0]
+    table = Table(title=f"{name}={a} against {name}={b}: TF/s (median of rounds), {b} / {a}, max |error| against fp32 SDPA")
+    for column, justify in (("#", "right"), ("case", "left"), (f"{a} TF/s", "right"), (f"{b} TF/s", "right"),
+                            (f"{b}/{a}", "right"), (f"err {a}", "right"), (f"err {b}", "right")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     rows = []
     for i, pair in enumerate(found):
-        a, b = figures.get((i, "cpasync"), {}), figures.get((i, "tma"), {})
+        fa, fb = figures.get((i, a), {}), figures.get((i, b), {})
         for case in space.cases:
             label = case.label()
-            ca, cb = a.get("cases", {}).get(label), b.get("cases", {}).get(label)
-            row = {"pair": i + 1, "config": pair["tma"].short_label(), "case": label,
-                   "cpasync": _summary(ca, a), "tma": _summary(cb, b)}
+            ca, cb = fa.get("cases", {}).get(label), fb.get("cases", {}).get(label)
+            row = {"pair": i + 1, "config": pair[b].short_label(), "case": label, a: _summary(ca, fa), b: _summary(cb, fb)}
             if ca and cb:
-                row["tma_over_cpasync"] = statistics.median(ca["us"]) / statistics.median(cb["us"])
+                row["b_over_a"] = statistics.median(ca["us"]) / statistics.median(cb["us"])
             rows.append(row)
-            table.add_row(str(i + 1), label, _cell(row["cpasync"]), _cell(row["tma"]),
-                          f"{row['tma_over_cpasync']:.3f}" if "tma_over_cpasync" in row else "-",
-                          _err(row["cpasync"]), _err(row["tma"]))
+            table.add_row(str(i + 1), label, _cell(row[a]), _cell(row[b]),
+                          f"{row['b_over_a']:.3f}" if "b_over_a" in row else "-", _err(row[a]), _err(row[b]))
     console.print(table)
     for i, pair in enumerate(found):
-        console.print(f"#{i + 1} {pair['cpasync'].short_label()}  (--config {pair['tma'].label()})")
-    ratios = [r["tma_over_cpasync"] for r in rows if "tma_over_cpasync" in r]
+        console.print(f"#{i + 1} {pair[a].short_label()}  (--config {pair[b].label()})")
+    ratios = [r["b_over_a"] for r in rows if "b_over_a" in r]
     if ratios:
-        console.print(f"tma / cpasync over {len(ratios)} cases: geomean {statistics.geometric_mean(ratios):.3f}, "
+        console.print(f"{b} / {a} over {len(ratios)} cases: geomean {statistics.geometric_mean(ratios):.3f}, "
                       f"min {min(ratios):.3f}, max {max(ratios):.3f}")
     return rows
 
@@ -155,10 +168,12 @@ def _err(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--param", default="LOAD=cpasync,tma", metavar="NAME=A,B",
+                        help="the parameter and its two values (default LOAD=cpasync,tma)")
     parser.add_argument("--config", action="append", default=[], help="another pair: NAME=VALUE,... over the TMA seed (repeatable)")
     parser.add_argument("--shape", action="append", default=[], metavar="B,H,S,D",
                         help="time this shape, full and causal, instead of B4 H16 S2048 D64/D128 and B8 H16 S4096 D128")
-    parser.add_argument("--rounds", type=int, default=1, help="alternate the loads this many times (default 1)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate the two values this many times (default 1)")
     parser.add_argument("--repetitions", type=int, help="graph replays per timing (default: the h100 space's)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per gate or timing job before a hang is declared")
     parser.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
@@ -169,17 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(highlight=False, width=160)
     shapes = [parse_shape(s) for s in args.shape] or list(SHAPES)
     space = ab_space(shapes, args.timeout, args.repetitions)
-    found = pairs(args.config)
+    param = parse_param(args.param)
+    found = pairs(args.config, param)
     if args.compile_only:
         out = compile_only(space, found, console)
         ok = out["ok"]
     else:
         done = evaluate_all(space, found, args.rounds, args.device, console)
-        rows = report(space, found, done["figures"], console)
-        out = {"gpu": done["gpu"], "rounds": args.rounds, "shapes": shapes, "rows": rows,
-               "configs": [{load: c.to_dict() for load, c in pair.items()} for pair in found],
-               "statuses": {f"#{i + 1} {load}": {k: v for k, v in e.items() if k != "cases"}
-                            for (i, load), e in done["figures"].items()}}
+        rows = report(space, found, done["figures"], console, param[0])
+        out = {"gpu": done["gpu"], "param": param[0], "values": list(param[1]), "rounds": args.rounds, "shapes": shapes, "rows": rows,
+               "configs": [{value: c.to_dict() for value, c in pair.items()} for pair in found],
+               "statuses": {f"#{i + 1} {value}": {k: v for k, v in e.items() if k != "cases"}
+                            for (i, value), e in done["figures"].items()}}
         ok = all(e["status"] == "ok" for e in done["figures"].values())
     if args.json:
         args.json.write_text(json.dumps(out, indent=1, default=str))
