@@ -37,7 +37,8 @@ PERSISTENT = [
     SEEDS[2].replace(LOAD="tma", PERSISTENT=1),                    # three consumer warpgroups, four stages
 ]
 CONFIGS = [c for c in SEEDS + NEIGHBOURS + TMA + PERSISTENT if SPACE.contains(c)]
-# ... plus 80 heads of 2048 keys: causal persistent CTAs take three sections of heads (32, 32, 16 at D128)
+# ... plus 80 heads of 2048 keys: persistent CTAs run ten rounds of work tiles, the last one partial
+# (causal: in reverse, the snake order's odd round)
 SHAPES = [(1, 8, 512), (2, 3, 77), (1, 2, 5), (1, 1, 1), (1, 1, 257), (1, 2, 1000), (1, 2, 2048), (2, 40, 2048)]
 
 
