@@ -323,7 +323,7 @@ def test_the_ab_script_pairs_another_parameter(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr + done.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert [r["config"] for r in rows] == ["tma 128x128 st2 r24/240 ovl pp pers", "tma 128x176 st2 r24/240 ovl pp pers"]
+    assert [r["config"] for r in rows] == ["ptma 128x128 st2 r24/240 ovl pp", "ptma 128x176 st2 r24/240 ovl pp"]
     for row in rows:
         for value in ("0", "1"):
             assert row[value]["status"] == "compiled" and row[value]["spill_bytes"] == 0, row

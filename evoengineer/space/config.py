@@ -58,8 +58,9 @@ class Config(Mapping[str, ParamValue]):
         On the wgmma path (``wgmma 128x192 st2 r24/240 ovl pp``) WARPS and VEC are unused
         and left out, the consumer warpgroups follow from BLOCK_M, ``pr`` is the producer
         warpgroup, ``r`` the setmaxnreg pair (producer/consumer, with a producer), ``ovl`` the intra-warpgroup
-        overlap, ``pp`` ping-pong and ``pers`` a persistent grid; with LOAD=tma (loads by the tensor memory accelerator) the path reads
-        ``tma`` (``tma 128x128 st2 r24/240 ovl pp``), which keeps the label as short as its cp.async twin's.
+        overlap and ``pp`` ping-pong; with LOAD=tma (loads by the tensor memory accelerator) the path reads
+        ``tma`` (``tma 128x128 st2 r24/240 ovl pp``), which keeps the label as short as its cp.async twin's,
+        and ``ptma`` with PERSISTENT=1 as well (``ptma 128x176 st2 r24/240 ovl pp``: persistent CTAs).
         """
         values = dict(self.items_)
         if values.get("PATH") == "wgmma":  # warpgroups instead of warps; the tile's rows give the consumers
@@ -74,6 +75,9 @@ class Config(Mapping[str, ParamValue]):
             if values.get("LOAD") == "tma":
                 values.pop("LOAD")
                 values["PATH"] = "tma"  # the wgmma path loading by TMA
+                if values.get("PERSISTENT") == 1:
+                    values.pop("PERSISTENT")
+                    values["PATH"] = "ptma"  # ... from persistent CTAs
         parts = [str(values.pop("PATH"))] if "PATH" in values else []
         if "BLOCK_M" in values and "BLOCK_N" in values:
             parts.append(f"{values.pop('BLOCK_M')}x{values.pop('BLOCK_N')}")
