@@ -62,10 +62,15 @@ def _finish(procs: list[subprocess.Popen], runs: list[Path], started: float, mod
     evaluated = sum(s["evaluated"] for s in summaries)
     loop_s = max(s["elapsed_s"] for s in summaries)
     busy = [s.get("gpu_busy_share") for s in summaries if s.get("gpu_busy_share") is not None]
+    phases: Counter[str] = Counter()
+    for s in summaries:
+        for name, row in s.get("phases", {}).items():
+            phases[name] += row["total_s"]
     return {"mode": mode, "gpus": gpus, "evaluations": evaluated, "loop_s": loop_s, "process_s": round(wall, 1),
             "evaluations_per_minute": round(60 * evaluated / loop_s, 1) if loop_s else None,
             "duplicates": len(keys) - len(set(keys)), "split": dict(sorted(split.items())),
-            "gpu_busy_share": round(sum(busy) / len(busy), 3) if busy else None}
+            "gpu_busy_share": round(sum(busy) / len(busy), 3) if busy else None,
+            "phases_ms_per_evaluation": {k: round(1000 * v / evaluated, 1) for k, v in phases.items()} if evaluated else {}}
 
 
 def main() -> None:
@@ -115,6 +120,10 @@ def main() -> None:
         split = " ".join(f"{d}:{k}" for d, k in r["split"].items())
         print(f"{r['mode']:<10}{r['gpus']:>5}{r['evaluations']:>7}{r['loop_s']:>8.1f}{r['process_s']:>8.1f}"
               f"{r['evaluations_per_minute']:>10.1f}{(r['speedup'] or 0):>8.2f}x{r['duplicates']:>5}  {split}")
+    print("where an evaluation's time went (ms per evaluation, summed over the GPUs):")
+    for r in rows:
+        phases = " ".join(f"{name} {ms:g}" for name, ms in r["phases_ms_per_evaluation"].items() if ms >= 0.5)
+        print(f"  {r['mode']} x{r['gpus']}: {phases}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ def test_scaling_benchmark_on_simulated_devices(tmp_path: Path) -> None:
     for r in rows:
         assert r["evaluations"] == 12 and r["duplicates"] == 0 and sum(r["split"].values()) == 12
         assert len(r["split"]) == r["gpus"]
+        assert 240 <= r["phases_ms_per_evaluation"]["timing"] < 400   # each replayed evaluation sleeps 0.25 s
     assert rows[1]["speedup"] > 1.5
 
 

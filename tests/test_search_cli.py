@@ -178,6 +178,9 @@ def test_devices_argument_errors(tmp_path: Path, space_yaml: Path) -> None:
         assert len(proc.stderr.strip().splitlines()) == 1
     both = cli(*base, "--devices", "0,1", "--device", "1", "--run-dir", str(tmp_path / "both"), cwd=tmp_path)
     assert both.returncode == 2 and "--device and --devices" in both.stderr
+    gone = cli("search", "--space", str(space_yaml), "--replay", str(tmp_path / "gone.jsonl"), "--run-dir", str(tmp_path / "g"), cwd=tmp_path)
+    assert gone.returncode == 2 and "--replay" in gone.stderr and "gone.jsonl" in gone.stderr and "Traceback" not in gone.stderr
+    assert len(gone.stderr.strip().splitlines()) == 1 and not (tmp_path / "g").exists()
 
 
 def test_candidates_compile_ahead_and_their_sources_are_kept(tmp_path: Path, space_yaml: Path) -> None:

@@ -73,6 +73,8 @@ def _parse_devices(args: argparse.Namespace) -> list[int]:
 def cmd_search(args: argparse.Namespace) -> int:
     space = load_space(args.space)
     devices = _parse_devices(args)
+    if args.replay and not Path(args.replay).is_file():
+        raise UsageError(f"--replay: {args.replay}: no such file (a results.jsonl or a recording from benchmarks/record.py)")
     if args.heartbeat is not None and args.heartbeat < 1:
         raise UsageError(f"--heartbeat: expected a whole number of seconds >= 1, got {args.heartbeat}")
     console = Console(highlight=False, stderr=args.json)  # with --json, stdout holds only the JSON
