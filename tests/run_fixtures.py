@@ -20,8 +20,9 @@ MMA = Config({"PATH": "mma", "BLOCK_M": 128, "BLOCK_N": 64, "WARPS": 4, "VEC": 8
               "Q_IN_REGS": 0, "P_IN_REGS": 1, "SPLITS": 1, "KV_GROUPS": 1})
 """Large shapes' winner and geometric-mean winner (the fallback)."""
 SPLIT = Config({"PATH": "mma", "BLOCK_M": 64, "BLOCK_N": 128, "WARPS": 4, "VEC": 8, "STAGES": 2, "SMEM_LAYOUT": "swizzle",
-                "Q_IN_REGS": 1, "P_IN_REGS": 1, "SPLITS": 2, "KV_GROUPS": 1})
-"""Split-K/V (two launches and a workspace): the decode case's winner."""
+                "Q_IN_REGS": 1, "P_IN_REGS": 1, "SPLITS": 2, "KV_GROUPS": 1, "PACK_GQA": 1})
+"""Split-K/V (two launches and a workspace) with the query heads of a K/V head packed in one
+CTA: the decode case's winner."""
 
 SMALL, SMALL_C = "B1 H8 S512 D64", "B1 H8 S512 D64 causal"
 LARGE64, LARGE64_C = "B4 H16 S2048 D64", "B4 H16 S2048 D64 causal"

@@ -157,12 +157,13 @@ def test_the_decode_space_holds_split_kv_configurations_for_q_len_1() -> None:
     assert all(c.seq == 1 and c.seq_kv >= 4096 and not c.causal for c in space.cases)
     assert {(c.head_dim, c.heads_kv) for c in space.cases} == {(128, 32), (64, 32), (128, 8)}
     valid = list(space.valid_configs())
-    assert 50 <= len(valid) <= 200
+    assert 100 <= len(valid) <= 250
     assert {c["PATH"] for c in valid} == {"mma"} and {c["BLOCK_M"] for c in valid} == {16}
     assert {c["SPLITS"] for c in valid} == {1, 2, 4, 8, 16, 32} and {c["KV_GROUPS"] for c in valid} == {1, 2, 4, 8}
     assert all(c["WARPS"] == c["KV_GROUPS"] for c in valid)
     assert space.search.seeds and all(space.contains(seed) for seed in space.search.seeds)
     assert sum(seed["SPLITS"] > 1 for seed in space.search.seeds) >= 4
+    assert {c["PACK_GQA"] for c in valid} == {0, 1} and any(seed.get("PACK_GQA") for seed in space.search.seeds)
 
 
 def test_the_decode_seeds_compile_without_spills_for_sm_90a() -> None:
@@ -185,6 +186,26 @@ def test_a_decode_launch_covers_every_split(splits: int) -> None:
     assert main.grid(8, 32, 1) == (1, 256, splits) and combine.grid(8, 32, 1) == (1, 256, 1)
     assert rendered.workspace_floats(8, 32, 1) == 256 * splits * (128 + 1)
     assert "float lse[SPLITS];" in rendered.source and f"constexpr int SPLITS = {splits};" in rendered.source
+
+
+def test_a_packed_launch_has_a_grid_row_per_kv_head() -> None:
+    """PACK_GQA: the query heads of one K/V head are rows of one CTA, so B8 H32/8 q_len 1 runs
+    64 grid rows of 4 useful rows each (not 256 of 1); the combine launch keeps one per query head."""
+    config = Config(PATH="mma", BLOCK_M=16, BLOCK_N=64, WARPS=4, VEC=8, STAGES=1, SMEM_LAYOUT="swizzle", Q_IN_REGS=1,
+                    P_IN_REGS=1, SPLITS=4, KV_GROUPS=4, PACK_GQA=1)
+    rendered = render("flash_attention", config, Variant(128, False, "fp16"))
+    main, combine = rendered.launches
+    assert main.pack_gqa and not combine.pack_gqa
+    assert main.grid(8, 32, 1, heads_kv=8) == (1, 64, 4) and combine.grid(8, 32, 1, heads_kv=8) == (1, 256, 1)
+    assert main.grid(2, 8, 77, heads_kv=2) == (20, 4, 4)       # 77 positions x 4 heads = 308 rows in 16-row tiles
+    assert main.grid(8, 32, 1) == main.grid(8, 32, 1, heads_kv=32) == (1, 256, 4)   # no grouping: a head a row
+    assert rendered.launch_metadata()["launches"][0]["pack_gqa"] is True
+    assert "pack_gqa" not in rendered.launch_metadata()["launches"][1]
+    assert rendered.workspace_floats(8, 32, 1) == 256 * 4 * (128 + 1)   # the workspace stays per query head
+    assert config.short_label() == "mma 16x64 w4 q p s4 g4 pk"
+    plain = render("flash_attention", config.replace(PACK_GQA=0), Variant(128, False, "fp16"))
+    assert not plain.launches[0].pack_gqa and "constexpr bool PACK = false;" in plain.source
+    assert "constexpr bool PACK = true;" in rendered.source
 
 
 # -- labels and dispatch -----------------------------------------------------------------------------

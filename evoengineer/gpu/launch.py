@@ -106,7 +106,8 @@ class AttentionKernel:
         )
         with cupy_stream(torch.cuda.current_stream(q.device)):
             for launch, fn in zip(self.rendered.launches, self._functions):
-                fn(launch.grid(batch, heads, seq_q, multiprocessors(q.device)), launch.block, args, shared_mem=launch.smem)
+                grid = launch.grid(batch, heads, seq_q, multiprocessors(q.device), heads_kv=k.shape[1])
+                fn(grid, launch.block, args, shared_mem=launch.smem)
         return out
 
     def _launch_with_maps(self, q: Any, k: Any, v: Any, out: Any, values: dict) -> Any:
@@ -131,7 +132,7 @@ class AttentionKernel:
         stream = torch.cuda.current_stream(q.device).cuda_stream
         with cupy.cuda.Device(q.get_device()):
             for launch, fn in zip(self.rendered.launches, self._functions):
-                grid = launch.grid(batch, heads, seq_q, multiprocessors(q.device))
+                grid = launch.grid(batch, heads, seq_q, multiprocessors(q.device), heads_kv=k.shape[1])
                 cupy.cuda.driver.launchKernel(fn.kernel.ptr, *grid, *launch.block, launch.smem,
                                               stream, packed.address, 0)
         return out

@@ -8,7 +8,9 @@ A template declares its own launches in comment lines of the rendered source::
 
 Each launch runs over ``grid = (ceil(S_q / rows_per_cta), B * H, grid_z)``, or, with
 ``"persistent": true``, over one CTA per multiprocessor at most (``(min(tiles, SMs), 1, 1)``,
-the kernel walks the ``ceil(S_q / rows_per_cta) * B * H`` work tiles itself); launches
+the kernel walks the ``ceil(S_q / rows_per_cta) * B * H`` work tiles itself), or, with
+``"pack_gqa": true``, over ``(ceil(S_q * H / H_kv / rows_per_cta), B * H_kv, grid_z)`` (the
+rows of a CTA are the query heads that share a K/V head, position by position); launches
 run in order with the same arguments (a split-K/V kernel followed by its combine
 step, say). Every kernel takes the same argument list, see ``KERNEL_ARGS``, followed by
 one ``const __grid_constant__ CUtensorMap`` per ``// TENSOR_MAP`` line, in their order
@@ -57,10 +59,16 @@ class Launch:
     rows_per_cta: int
     grid_z: int = 1
     persistent: bool = False
+    pack_gqa: bool = False
 
-    def grid(self, batch: int, heads: int, seq_q: int, sms: int | None = None) -> tuple[int, int, int]:
+    def grid(self, batch: int, heads: int, seq_q: int, sms: int | None = None,
+             heads_kv: int | None = None) -> tuple[int, int, int]:
         """The launch grid; a persistent kernel gets at most ``sms`` CTAs (every work tile
-        its own CTA when ``sms`` is None: correct, only not persistent)."""
+        its own CTA when ``sms`` is None: correct, only not persistent); a packed one a grid
+        row per (batch, K/V head) (``heads_kv``: K/V heads, ``heads`` when None)."""
+        if self.pack_gqa:
+            group = heads // (heads_kv or heads)
+            return (math.ceil(seq_q * group / self.rows_per_cta), batch * (heads_kv or heads), self.grid_z)
         if self.persistent:
             tiles = math.ceil(seq_q / self.rows_per_cta) * batch * heads
             return (max(1, min(tiles, sms or tiles)), 1, 1)
@@ -151,7 +159,7 @@ class Rendered:
             "variant": {"head_dim": self.variant.head_dim, "causal": self.variant.causal, "dtype": self.variant.dtype},
             "launches": [
                 {"kernel": l.kernel, "block": list(l.block), "smem": l.smem, "rows_per_cta": l.rows_per_cta, "grid_z": l.grid_z,
-                 **({"persistent": True} if l.persistent else {})}
+                 **({"persistent": True} if l.persistent else {}), **({"pack_gqa": True} if l.pack_gqa else {})}
                 for l in self.launches
             ],
             "workspace_floats_per_row": self.workspace_floats_per_row,
@@ -243,6 +251,7 @@ def _parse_metadata(source: str) -> tuple[list[Launch], int, list[TensorMapArg]]
                     rows_per_cta=int(meta["rows_per_cta"]),
                     grid_z=int(meta.get("grid_z", 1)),
                     persistent=bool(meta.get("persistent", False)),
+                    pack_gqa=bool(meta.get("pack_gqa", False)),
                 )
             )
         elif stripped.startswith("// WORKSPACE_FLOATS_PER_ROW "):

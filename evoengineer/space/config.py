@@ -53,7 +53,7 @@ class Config(Mapping[str, ParamValue]):
         In order: PATH; BLOCK_MxBLOCK_N; ``w`` WARPS; ``v`` VEC; ``st`` STAGES; SMEM_LAYOUT's
         value; ``q`` for Q_IN_REGS=1, ``p`` for P_IN_REGS=1; ``s`` SPLITS; ``g`` KV_GROUPS. A
         parameter at its neutral value is left out (VEC 8, STAGES 1, SMEM_LAYOUT swizzle,
-        Q_IN_REGS and P_IN_REGS 0, SPLITS 1, KV_GROUPS 1); any other parameter follows as
+        Q_IN_REGS and P_IN_REGS 0, SPLITS 1, KV_GROUPS 1, PACK_GQA 0); any other parameter follows as
         ``NAME=value``, in name order. The same configuration always gets the same label.
         On the wgmma path (``wgmma 128x192 st2 r24/240 ovl pp``) WARPS and VEC are unused
         and left out, the consumer warpgroups follow from BLOCK_M, ``pr`` is the producer
@@ -124,6 +124,7 @@ _SHORT: tuple[tuple[str, str, ParamValue | None], ...] = (
     ("P_IN_REGS", "p", 0),
     ("SPLITS", "s", 1),
     ("KV_GROUPS", "g", 1),
+    ("PACK_GQA", "pk", 0),
     ("CONSUMER_WGS", "c", 1),
     ("PRODUCER", "pr", 0),
     ("SETMAXNREG", "r", None),

@@ -1,7 +1,8 @@
 """Decode on the GPU: the h100-decode space's split-K/V configurations (one 16-row strip per
 warp, SPLITS CTAs per head and a combine launch) against fp32 SDPA on q_len 1 over K/V lengths
 1, 77 and 4096 (and a few queries over a longer cache), grouped-query and not, full and causal,
-fp16 and bf16, through the gate the search uses; then a short search of the decode space,
+fp16 and bf16, through the gate the search uses (also with the query heads of a K/V head
+packed as the rows of one CTA, PACK_GQA, on decode and on prefill tiles); then a short search of the decode space,
 exported with a prefill run, whose module serves decode calls with the decode configurations.
 """
 from __future__ import annotations
@@ -29,9 +30,9 @@ pytestmark = [
 SPACE = load_space("h100-decode")
 
 
-def decode(block_n: int, groups: int, stages: int, splits: int) -> Config:
+def decode(block_n: int, groups: int, stages: int, splits: int, pack: int = 0) -> Config:
     return Config(PATH="mma", BLOCK_M=16, BLOCK_N=block_n, WARPS=groups, VEC=8, STAGES=stages, SMEM_LAYOUT="swizzle",
-                  Q_IN_REGS=1, P_IN_REGS=1, SPLITS=splits, KV_GROUPS=groups)
+                  Q_IN_REGS=1, P_IN_REGS=1, SPLITS=splits, KV_GROUPS=groups, PACK_GQA=pack)
 
 
 CONFIGS = {f"seed{i}-" + seed.short_label().replace(" ", "-"): seed for i, seed in enumerate(SPACE.search.seeds)}
@@ -40,6 +41,9 @@ CONFIGS.update({
     "n64-g2-st3-s16": decode(64, 2, 3, 16),
     "n32-g8-st1-s2": decode(32, 8, 1, 2),
     "n128-g2-st1-s16": decode(128, 2, 1, 16),
+    "n32-g1-st3-s32-pk": decode(32, 1, 3, 32, pack=1),
+    "n32-g8-st1-s2-pk": decode(32, 8, 1, 2, pack=1),
+    "n128-g2-st1-s16-pk": decode(128, 2, 1, 16, pack=1),
 })
 
 LENGTHS = [(1, 1), (1, 77), (1, 4096), (5, 300), (17, 1000)]
@@ -88,8 +92,8 @@ def test_decode_at_the_space_shapes_with_a_model_layout(dtype: str) -> None:
     from evoengineer.gpu.launch import torch_dtype
 
     atol, rtol = DEFAULT_TOLERANCES[dtype]
-    kernel = _kernel(CONFIGS["n64-g2-st3-s16"], Variant(128, False, dtype))
-    for heads_kv in (32, 8):
+    for name, heads_kv in (("n64-g2-st3-s16", 32), ("n64-g2-st3-s16", 8), ("n128-g2-st1-s16-pk", 8)):
+        kernel = _kernel(CONFIGS[name], Variant(128, False, dtype))
         q = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch_dtype(dtype))
         cache = torch.randn(2, 8, 4096, heads_kv, 128, device="cuda", dtype=torch_dtype(dtype))
         k, v = cache[0].transpose(1, 2), cache[1].transpose(1, 2)
@@ -97,6 +101,33 @@ def test_decode_at_the_space_shapes_with_a_model_layout(dtype: str) -> None:
         kernel(q, k, v, out)
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), reference(q, k, v, False, None), atol=atol, rtol=rtol)
+
+
+PACKED_PREFILL = {
+    "m64-n64-w4-st2-pk": Config(PATH="mma", BLOCK_M=64, BLOCK_N=64, WARPS=4, VEC=8, STAGES=2, SMEM_LAYOUT="swizzle",
+                                Q_IN_REGS=1, P_IN_REGS=1, PACK_GQA=1),
+    "m128-n64-w4-st2-pk": Config(PATH="mma", BLOCK_M=128, BLOCK_N=64, WARPS=4, VEC=8, STAGES=2, SMEM_LAYOUT="swizzle",
+                                 Q_IN_REGS=0, P_IN_REGS=1, PACK_GQA=1),
+    "m32-n64-w8-g4-pk": Config(PATH="mma", BLOCK_M=32, BLOCK_N=64, WARPS=8, VEC=8, STAGES=1, SMEM_LAYOUT="swizzle",
+                               Q_IN_REGS=1, P_IN_REGS=1, KV_GROUPS=4, PACK_GQA=1),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(PACKED_PREFILL))
+def test_packed_query_heads_on_prefill_tiles_match_sdpa(name: str, dtype: str, causal: bool) -> None:
+    """Packed rows mix positions and heads in one tile: the causal limit is a row's position
+    (r / group), the last tile is partial, and seq_q != seq_kv aligns top-left as SDPA does."""
+    from evoengineer.gpu.evaluate import gate_launcher
+
+    kernel = _kernel(PACKED_PREFILL[name], Variant(128, causal, dtype))
+    atol, rtol = DEFAULT_TOLERANCES[dtype]
+    for batch, heads, heads_kv, seq, seq_kv in ((2, 8, 2, 77, 77), (1, 6, 1, 257, 257), (3, 4, 4, 33, 100),
+                                                (2, 8, 2, 100, 33), (1, 32, 8, 1, 5)):
+        case = Case(batch, heads, seq, 128, causal, heads_kv=heads_kv, dtype=dtype, seq_kv=seq_kv)
+        result = gate_launcher(kernel, case, None, atol, rtol, seed=seq + heads_kv, trials=1)
+        assert result.status == "ok", (case.label(), result.reason)
 
 
 PREFILL = """

@@ -65,6 +65,18 @@ def test_each_dispatch_regime_matches_sdpa(module, shape, causal, config) -> Non
     _close(module.attention(q, k, v, is_causal=causal), _reference(q, k, v, causal))
 
 
+@pytest.mark.parametrize("b,h,hkv,sk", [(8, 32, 8, 4096), (3, 32, 4, 777), (2, 6, 2, 100)])
+def test_grouped_query_decode_runs_packed_through_the_module(module, b: int, h: int, hkv: int, sk: int) -> None:
+    """The decode winner packs the query heads of a K/V head into one CTA: a grid row per
+    (batch, K/V head), the combine launch a row per query head."""
+    q, k, v = _qkv(b, h, 1, sk, 128, hkv=hkv, seed=sk)
+    plan = module.explain(q, k, v, enable_gqa=True)
+    assert plan["config"] == SPLIT.key() and plan["params"]["PACK_GQA"] == 1
+    assert [tuple(launch["grid"]) for launch in plan["launches"]] == [(1, b * hkv, 2), (1, b * h, 1)]
+    _close(module.attention(q, k, v, enable_gqa=True), _reference(q, k.repeat_interleave(h // hkv, 1),
+                                                                     v.repeat_interleave(h // hkv, 1), False))
+
+
 @pytest.mark.parametrize("sq,sk", [(100, 333), (333, 100), (1, 64), (64, 1)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_causal_with_seq_q_not_seq_k_is_top_left_like_sdpa(module, sq: int, sk: int, d: int) -> None:
