@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # as the evoengineer command sets it (evoengineer/cli/__init__.py)
 if not os.environ.get("PYTHONPATH"):  # PYTHONPATH=<another checkout> measures that one
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

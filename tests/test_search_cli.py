@@ -254,3 +254,15 @@ def test_search_reports_where_the_time_went(tmp_path: Path, space_yaml: Path) ->
     assert "where the time went" in profiled.stdout
     for phase in ("strategy", "compile", "timing", "storage"):
         assert phase in profiled.stdout
+
+
+def test_the_command_keeps_blas_to_one_thread_unless_told() -> None:
+    """The strategy's small matrix work runs on one BLAS thread (the command sets it before
+    numpy loads); a value the user set stays."""
+    probe = "import sys, evoengineer.cli, os; print(os.environ['OPENBLAS_NUM_THREADS'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    unset = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    assert unset.stdout.split() == ["1"], unset.stderr
+    told = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env={**env, "OPENBLAS_NUM_THREADS": "4"},
+                          timeout=60)
+    assert told.stdout.split() == ["4"], told.stderr
