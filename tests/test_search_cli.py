@@ -227,6 +227,26 @@ def test_search_restricted_to_one_shape_records_it_and_resumes_with_it(tmp_path:
     assert missing.stderr.strip().count("\n") == 0 and "no shape 9,9,9,64" in missing.stderr
 
 
+def test_search_adds_a_shape_the_space_does_not_list_and_resumes_with_it(tmp_path: Path, space_yaml: Path) -> None:
+    run = tmp_path / "run"
+    base = ["search", "--space", str(space_yaml), "--replay", str(RECORDING), "--strategy", "random", "--run-dir", str(run),
+            "--quiet"]
+    done = cli(*base, "--trials", "4", "--add-shape", "2,4,300,64", "--add-shape", "2,4,1/333,64", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + done.stdout
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["added_shapes"] == ["2,4,300,64", "2,4,1/333,64"] and meta["shapes"] is None
+    assert sorted(meta["case_flops"]) == ["B2 H4 S1/333 D64", "B2 H4 S300 D64", "B2 H4 S300 D64 causal"]
+    refused = cli(*base, "--trials", "6", "--resume", "--add-shape", "2,4,300,64", cwd=tmp_path)
+    assert refused.returncode == 2 and "--add-shape" in refused.stderr and "Traceback" not in refused.stderr
+    resumed = cli(*base, "--trials", "6", "--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    assert len(recorded_keys(run)) == 6
+    listed = yaml.safe_load(space_yaml.read_text())["problem"]["shapes"][0]
+    for shape, words in ((f"{listed['B']},{listed['H']},{listed['S']},{listed['D']}", "already"), ("2,4,300,256", "head dim 256")):
+        bad = cli(*base[:-3], "--add-shape", shape, "--run-dir", str(tmp_path / "bad"), "--quiet", cwd=tmp_path)
+        assert bad.returncode == 2 and words in bad.stderr and bad.stderr.strip().count("\n") == 0, bad.stderr
+
+
 def test_search_reports_where_the_time_went(tmp_path: Path, space_yaml: Path) -> None:
     """Each record carries its phase times; the summary (--json, run.json) sums them and
     --profile prints them as a table."""

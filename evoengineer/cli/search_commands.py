@@ -37,14 +37,16 @@ def _latest_run(root: Path, space: Space) -> Path:
     return runs[-1]
 
 
-def _restrict_shapes(space: Space, shapes: list[str] | None) -> Space:
-    """The space cut down to ``--shape`` entries (all of its shapes when none are given)."""
-    if not shapes:
+def _restrict_shapes(space: Space, shapes: list[str] | None, added: list[str] | None = None) -> Space:
+    """The space cut down to ``--shape`` entries (all of its shapes when none are given), plus
+    the ``--add-shape`` ones (then only those, without ``--shape``)."""
+    if not shapes and not added:
         return space
+    flag = "--add-shape" if added and not shapes else "--shape"
     try:
-        return space.with_shapes([parse_shape(s) for s in shapes])
+        return space.with_shapes([parse_shape(s) for s in shapes or ()], [parse_shape(s) for s in added or ()])
     except ValueError as exc:
-        raise UsageError(f"--shape: {exc}") from None
+        raise UsageError(f"{flag}: {exc}") from None
 
 
 def _parse_devices(args: argparse.Namespace) -> list[int]:
@@ -95,9 +97,12 @@ def cmd_search(args: argparse.Namespace) -> int:
         strategy, seed, storage = meta["strategy"], meta["seed"], meta["storage"]
         if args.shape and sorted(args.shape) != sorted(meta.get("shapes") or []):
             raise UsageError(f"--resume: the run in {path} searched shapes {meta.get('shapes') or 'all'}; resume it without --shape")
-        space = _restrict_shapes(space, meta.get("shapes"))
+        if args.add_shape and sorted(args.add_shape) != sorted(meta.get("added_shapes") or []):
+            raise UsageError(f"--resume: the run in {path} added shapes {meta.get('added_shapes') or 'none'}; "
+                             "resume it without --add-shape")
+        space = _restrict_shapes(space, meta.get("shapes"), meta.get("added_shapes"))
     else:
-        space = _restrict_shapes(space, args.shape)
+        space = _restrict_shapes(space, args.shape, args.add_shape)
         strategy, seed = args.strategy or space.search.strategy, args.seed
         if args.run_dir:
             path = Path(args.run_dir)
@@ -113,7 +118,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         meta = {"space": space.name, "space_path": str(space.path), "strategy": strategy, "seed": seed, "storage": storage,
                 "study_name": args.study or run.path.name, "trials": trials, "time_s": time_s, "top_k": top_k,
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replay": str(args.replay) if args.replay else None,
-                "shapes": args.shape or None}
+                "shapes": args.shape or None, "added_shapes": args.add_shape or None}
 
     # -- the evaluators: one per device ---------------------------------------------------
     evaluators: list[Any]
@@ -287,6 +292,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "B,H,S/S_KV,D names a shape whose K/V length differs, e.g. 8,32,1/4096,128 (decode). "
                         "One search per regime finds each its own winner, e.g. --shape 1,8,512,64 for the small, "
                         "latency-bound shape")
+    p.add_argument("--add-shape", action="append", metavar="B,H,S,D", dest="add_shape",
+                   help="also search this shape, which the space does not list, full and causal, in the space's "
+                        "dtypes (repeatable; alone, the search covers only the added shapes), e.g. --add-shape "
+                        "8,16,4096,128 for a per-shape search of a long sequence; its head dim must be the space's")
     p.add_argument("--run-dir", help="the run's directory (default runs/<date>-<space>-<id>/)")
     p.add_argument("--storage", help="Optuna storage URL for the study (default: SQLite inside the run directory)")
     p.add_argument("--study", help="study name to create or join in --storage: several searches (one per GPU or host, "

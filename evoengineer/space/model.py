@@ -219,17 +219,31 @@ class Space:
                 return p
         raise KeyError(name)
 
-    def with_shapes(self, shapes: Sequence[Sequence[int]]) -> "Space":
+    def with_shapes(self, shapes: Sequence[Sequence[int]], added: Sequence[Sequence[int]] = ()) -> "Space":
         """This space restricted to the cases whose (B, H, S, D, S_KV) is in ``shapes`` (full and
-        causal); a shape of four numbers (B, H, S, D) means S_KV = S."""
+        causal), plus the ``added`` shapes, which the space does not list: each full and causal
+        (full only where S_KV differs from S) in every dtype of the space, with a head dim of the
+        space's. A shape of four numbers (B, H, S, D) means S_KV = S."""
         have = [c.shape for c in self.cases]
+        listed = ", ".join(dict.fromkeys(format_shape(h) for h in have))
         wanted = {_shape_key(s) for s in shapes}
         for shape in shapes:
             if _shape_key(shape) not in have:
-                listed = ", ".join(dict.fromkeys(format_shape(h) for h in have))
                 raise SpaceError(self.path, "problem.shapes", f"no shape {format_shape(shape)} (B,H,S,D or B,H,S/S_KV,D) "
                                  f"in this space; it has {listed}")
-        return replace(self, cases=tuple(c for c, h in zip(self.cases, have) if h in wanted))
+        cases = [c for c, h in zip(self.cases, have) if h in wanted]
+        dims = sorted({c.head_dim for c in self.cases})
+        for shape in dict.fromkeys(_shape_key(s) for s in added):
+            b, h, s, d, s_kv = shape
+            if shape in have:
+                raise SpaceError(self.path, "problem.shapes", f"shape {format_shape(shape)} is in this space already; "
+                                 "select it with --shape")
+            if d not in dims:
+                raise SpaceError(self.path, "problem.shapes", f"cannot add shape {format_shape(shape)}: its head dim {d} "
+                                 f"is not one of the space's ({', '.join(map(str, dims))})")
+            for dtype in self.dtypes:
+                cases += [Case(b, h, s, d, causal, dtype=dtype, seq_kv=s_kv) for causal in ((False, True) if s == s_kv else (False,))]
+        return replace(self, cases=tuple(cases))
 
     @property
     def variants(self) -> tuple[Variant, ...]:
