@@ -67,8 +67,8 @@ class Launch:
         its own CTA when ``sms`` is None: correct, only not persistent); a packed one a grid
         row per (batch, K/V head) (``heads_kv``: K/V heads, ``heads`` when None)."""
         if self.pack_gqa:
-            group = heads // (heads_kv or heads)
-            return (math.ceil(seq_q * group / self.rows_per_cta), batch * (heads_kv or heads), self.grid_z)
+            kv_heads = heads_kv or heads
+            return (math.ceil(seq_q * (heads // kv_heads) / self.rows_per_cta), batch * kv_heads, self.grid_z)
         if self.persistent:
             tiles = math.ceil(seq_q / self.rows_per_cta) * batch * heads
             return (max(1, min(tiles, sms or tiles)), 1, 1)

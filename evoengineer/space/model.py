@@ -241,8 +241,8 @@ class Space:
             if d not in dims:
                 raise SpaceError(self.path, "problem.shapes", f"cannot add shape {format_shape(shape)}: its head dim {d} "
                                  f"is not one of the space's ({', '.join(map(str, dims))})")
-            for dtype in self.dtypes:
-                cases += [Case(b, h, s, d, causal, dtype=dtype, seq_kv=s_kv) for causal in ((False, True) if s == s_kv else (False,))]
+            flags = (False, True) if s == s_kv else (False,)
+            cases += [Case(b, h, s, d, causal, dtype=dtype, seq_kv=s_kv) for dtype in self.dtypes for causal in flags]
         return replace(self, cases=tuple(cases))
 
     @property
