@@ -187,17 +187,42 @@ def test_candidates_compile_ahead_and_their_sources_are_kept(tmp_path: Path, spa
     """The search loop compiles the next candidates in other processes (real NVRTC) and keeps
     each candidate's source in the run directory; the recording answers for the GPU."""
     from evoengineer.search import ReplayCandidates, RunDir, open_study, run_search
+    from evoengineer.search.loop import SWITCH_INTERVAL_S
     from evoengineer.space import load_space
 
     space = load_space(space_yaml)
     run = RunDir.create(tmp_path / "runs", space)
     study = open_study(space, run, strategy="random", seed=3, storage=None, study_name=None, resume=False)
-    stats = run_search(space, ReplayCandidates(RECORDING), run, study, arch="sm_90", trials=4, build=True, compile_workers=2)
+    replay = ReplayCandidates(RECORDING)
+    intervals: list[float] = []
+
+    class Recording:
+        def evaluate(self, config, report=None):
+            intervals.append(sys.getswitchinterval())
+            return replay.evaluate(config, report)
+
+    before = sys.getswitchinterval()
+    stats = run_search(space, Recording(), run, study, arch="sm_90", trials=4, build=True, compile_workers=2)
     assert stats.evaluated == 4 and sum(stats.counts.values()) == 4
+    # lanes get the interpreter back within SWITCH_INTERVAL_S while the search runs, and only then
+    assert intervals == [pytest.approx(min(before, SWITCH_INTERVAL_S))] * 4
+    assert sys.getswitchinterval() == before
     keys = recorded_keys(run.path)
     sources = sorted(p.name for p in (run.path / "sources").iterdir())
     assert sources == sorted(f"{k}-{v.label()}.cu" for k in keys for v in space.variants)
     assert all("LAUNCH" in (run.path / "sources" / name).read_text() for name in sources)
+
+
+def test_compile_processes_run_below_the_search() -> None:
+    """The search's compile pool lowers its own priority, so GPU workers and the search
+    thread get a core when every compile process is busy."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from evoengineer.search.loop import COMPILE_NICENESS, _compile_process_init
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_compile_process_init) as pool:
+        assert pool.submit(os.nice, 0).result() == min(19, os.nice(0) + COMPILE_NICENESS)
 
 
 def test_search_restricted_to_one_shape_records_it_and_resumes_with_it(tmp_path: Path, space_yaml: Path) -> None:

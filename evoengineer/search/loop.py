@@ -13,6 +13,7 @@ import os
 import queue
 import secrets
 import shutil
+import sys
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -571,7 +572,10 @@ def run_search(
     valid = getattr(study.sampler, "valid", None)  # a SpaceSampler enumerates the space once, before the clock starts
     search = _Search(space, run, study, min(trials, len(valid) if valid is not None else space.valid_size()), build, arch)
     stats = SearchStats(devices=len(evaluators))
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) if build else None
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_compile_process_init) if build else None
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(switch_interval, SWITCH_INTERVAL_S))
     lanes = _Lanes(evaluators)
     failure: BaseException | None = None
     try:
@@ -610,10 +614,29 @@ def run_search(
         search.heartbeat.close()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        sys.setswitchinterval(switch_interval)
         stats.add_phases({"idle": lanes.idle_s})
     if failure is not None:
         raise failure
     return stats
+
+
+COMPILE_NICENESS = 10
+"""How much lower the compile processes run than the search and its GPU workers: with several
+devices the ahead-compiles fill every core, and a GPU worker or the search thread waiting
+for one of them leaves its GPU idle."""
+SWITCH_INTERVAL_S = 0.0005
+"""The interpreter's thread switch interval during a search (Python's default is 5 ms): a
+lane thread whose worker has answered waits at most this long for the search thread to let
+it hand over the next job."""
+
+
+def _compile_process_init() -> None:
+    """Each compile process of the search's pool: below the search in CPU priority."""
+    try:
+        os.nice(COMPILE_NICENESS)
+    except OSError:  # not permitted: same priority, as before
+        pass
 
 
 def best_results(run: RunDir, top_k: int) -> list[dict]:

@@ -21,12 +21,10 @@ class Config(Mapping[str, ParamValue]):
     def __init__(self, values: Mapping[str, ParamValue] | None = None, /, **kwargs: ParamValue) -> None:
         merged = {**(dict(values) if values else {}), **kwargs}
         object.__setattr__(self, "items_", tuple(sorted(merged.items())))
+        object.__setattr__(self, "_values", dict(self.items_))  # a lookup, not a field: equality and hash use items_
 
     def __getitem__(self, name: str) -> ParamValue:
-        for key, value in self.items_:
-            if key == name:
-                return value
-        raise KeyError(name)
+        return self._values[name]
 
     def __iter__(self) -> Iterator[str]:
         return (key for key, _ in self.items_)
@@ -41,7 +39,7 @@ class Config(Mapping[str, ParamValue]):
         return f"Config({self.label()})"
 
     def replace(self, **changes: ParamValue) -> "Config":
-        return Config({**dict(self.items_), **changes})
+        return Config({**self._values, **changes})
 
     def label(self) -> str:
         """``BLOCK_M=64,BLOCK_N=64,PATH=wmma``: the form ``--config`` accepts."""

@@ -12,6 +12,7 @@ import math
 import random
 import re
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -129,18 +130,23 @@ class Param:
     name: str
     values: tuple[ParamValue, ...]
 
-    @property
+    @cached_property
     def ordinal(self) -> bool:
         """Numeric parameters are ordered: mutation moves to a neighbouring value."""
         return all(isinstance(v, int) and not isinstance(v, bool) for v in self.values)
 
-    def steps(self, value: ParamValue) -> list[ParamValue]:
+    def steps(self, value: ParamValue) -> tuple[ParamValue, ...]:
         """Values one step from ``value``: the adjacent ones of an ordinal parameter, every
         other one of a categorical parameter."""
-        idx = self.values.index(value)
+        return self._steps[self.values.index(value)]
+
+    @cached_property
+    def _steps(self) -> tuple[tuple[ParamValue, ...], ...]:
+        """``steps`` of each value, by the value's index (a mutation asks for them thousands of times)."""
         if self.ordinal:
-            return [self.values[i] for i in (idx - 1, idx + 1) if 0 <= i < len(self.values)]
-        return [v for v in self.values if v != value]
+            return tuple(tuple(self.values[i] for i in (idx - 1, idx + 1) if 0 <= i < len(self.values))
+                         for idx in range(len(self.values)))
+        return tuple(tuple(v for v in self.values if v != value) for value in self.values)
 
 
 @dataclass(frozen=True)
