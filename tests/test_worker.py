@@ -226,3 +226,27 @@ def test_pool_survives_crashes_and_thread_safe_run() -> None:
         assert len(outs) == 4 and {o.value["now"] for o in outs} <= {"0", "1"}
         pids = [w.pid for w in pool.workers]
     assert all(p is None or _gone(p) for p in pids)
+
+
+def test_evaluators_of_one_search_race_against_each_others_best(space_yaml: Path) -> None:
+    """With several GPUs each lane's timing stops early against the best time of every lane
+    (one racing table), as with one GPU; a lone evaluator keeps its own."""
+    from evoengineer.gpu import Evaluator
+    from evoengineer.space import load_space
+
+    space = load_space(space_yaml)
+    first, second = space.sample(2)
+    shared: dict[str, float] = {}
+    lanes = [Evaluator(space, arch="sm_90", worker=Worker("worker_handlers:fake_gpu"), best_case_us=shared) for _ in range(2)]
+    alone = Evaluator(space, arch="sm_90", worker=Worker("worker_handlers:fake_gpu"))
+    try:
+        assert lanes[0].evaluate(first).ok
+        raced = lanes[1].evaluate(second)
+        solo = alone.evaluate(second)
+    finally:
+        for ev in (*lanes, alone):
+            ev.close()
+    race = space.timing.race
+    assert race > 0 and raced.ok and solo.ok
+    assert [c["time"]["give_up_above_us"] for c in raced.cases if "time" in c] == [pytest.approx(100.0 * race)] * len(space.cases)
+    assert [c["time"]["give_up_above_us"] for c in solo.cases if "time" in c] == [None] * len(space.cases)

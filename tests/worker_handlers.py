@@ -77,3 +77,14 @@ def init_state(tag: str, count: int) -> None:
 
 def init_fails() -> None:
     raise RuntimeError("warm-up failed on purpose")
+
+
+def fake_gpu(job: dict[str, Any]) -> dict[str, Any]:
+    """Answers an ``Evaluator``'s jobs as the GPU handler would, without a GPU: every case
+    passes the gate and times 100 us; a timing job echoes the racing limit it was given."""
+    if job["kind"] == "info":
+        return {"status": "ok", "gpu": "fake", "arch": "sm_90"}
+    if job["kind"] == "gate":
+        return {"status": "ok", "cases": [{"label": case.label(), "status": "ok", "reason": ""} for case, _ in job["cases"]]}
+    limit = job["timing"].get("give_up_above_us")
+    return {"status": "ok", "time": {"median_us": 100.0, "give_up_above_us": limit}, "tflops": 1.0}

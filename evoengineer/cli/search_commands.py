@@ -134,7 +134,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         missing = [d for d in devices if d >= torch.cuda.device_count()]
         if missing:
             raise UsageError(f"--devices: no GPU {missing[0]} on this machine ({torch.cuda.device_count()} visible)")
-        evaluators = [Evaluator(space, device=d, seed=seed or 0) for d in devices]
+        best_case_us: dict[str, float] = {}  # one racing table for every lane
+        evaluators = [Evaluator(space, device=d, seed=seed or 0, best_case_us=best_case_us) for d in devices]
         for ev in evaluators:
             ev.worker.start()  # the workers start together
         with console.status(f"starting {len(evaluators)} GPU worker(s)"):

@@ -427,7 +427,7 @@ class Evaluator:
     """Evaluate configurations of a space on one GPU through a crash-isolating worker."""
 
     def __init__(self, space: Space, *, arch: str | None = None, device: int | None = 0, seed: int = 0,
-                 gate_trials: int = 2, worker: Any = None) -> None:
+                 gate_trials: int = 2, worker: Any = None, best_case_us: dict[str, float] | None = None) -> None:
         from .worker import Worker
 
         self.space = space
@@ -439,7 +439,9 @@ class Evaluator:
         self._info: dict | None = None
         self.phases: dict[str, float] = {}
         self.timing = space.timing.protocol()
-        self.best_case_us: dict[str, float] = {}   # per case label, the best median this evaluator timed (racing)
+        # per case label, the best median timed so far (racing): shared by the evaluators of one
+        # search over several GPUs, so each lane races against the best of all of them
+        self.best_case_us: dict[str, float] = {} if best_case_us is None else best_case_us
 
     def close(self) -> None:
         self.worker.close()
