@@ -133,6 +133,30 @@ def test_persistent_needs_a_producer_and_tma() -> None:
         render("flash_attention", NO_PRODUCER.replace(PERSISTENT=1), Variant(64, False))
 
 
+@pytest.mark.parametrize("config", [PERSISTENT, SEED.replace(BLOCK_N=192)], ids=Config.short_label)
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True)])
+def test_exp2_fma_moves_its_share_of_the_softmax_exponentials_off_the_mufu(config: Config, head_dim: int, causal: bool) -> None:
+    """EXP2_FMA=2 computes 2 of every 8 softmax exponentials on the FMA units: the SASS loses
+    exactly a quarter of the MUFU.EX2 that EXP2_FMA=8 (all of them) loses, with no spills."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    mufu = {}
+    for share in (0, 2, 8):
+        compiled = compile_source(render("flash_attention", config.replace(EXP2_FMA=share), Variant(head_dim, causal)).source, "sm_90a")
+        assert compiled.ok, compiled.error
+        assert share == 8 or compiled.spill_bytes == 0
+        sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
+        mufu[share] = len(re.findall(r"MUFU\.EX2", sass))
+    softmax = mufu[0] - mufu[8]   # the exponentials of P (the rest rescale the running sums)
+    assert softmax >= config["BLOCK_N"] and mufu[0] - mufu[2] == softmax // 4, mufu
+
+
+def test_exp2_fma_takes_0_to_8() -> None:
+    with pytest.raises(RenderError, match="EXP2_FMA_MUST_BE_0_TO_8"):
+        render("flash_attention", SEED.replace(EXP2_FMA=9), Variant(64, False))
+
+
 # -- the space -----------------------------------------------------------------------------------
 
 
