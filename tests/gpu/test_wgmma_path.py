@@ -69,6 +69,23 @@ def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None
         assert result.status == "ok", f"{case.label()}: {result.reason}"
 
 
+# EXP2_FMA (a template parameter outside the space): some or all softmax exponentials as FMA-unit polynomials
+EXP2_FMA = [TMA_SEED.replace(EXP2_FMA=8), PERSISTENT[0].replace(EXP2_FMA=2), TMA_SEED.replace(BLOCK_N=192, EXP2_FMA=3)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", EXP2_FMA, ids=Config.short_label)
+def test_polynomial_exponentials_match_sdpa(config: Config, causal: bool, head_dim: int) -> None:
+    from evoengineer.gpu.evaluate import gate_launcher
+
+    kernel = _kernel(config, Variant(head_dim, causal))
+    for batch, heads, seq in SHAPES + [(c.batch, c.heads, c.seq) for c in SPACE.cases if c.head_dim == head_dim]:
+        case = Case(batch, heads, seq, head_dim, causal)
+        result = gate_launcher(kernel, case, None, 2e-2, 2e-2, seed=seq, trials=1)
+        assert result.status == "ok", f"{case.label()}: {result.reason}"
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), PERSISTENT[0]],
