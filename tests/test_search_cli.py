@@ -311,3 +311,18 @@ def test_the_command_keeps_blas_to_one_thread_unless_told() -> None:
     told = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env={**env, "OPENBLAS_NUM_THREADS": "4"},
                           timeout=60)
     assert told.stdout.split() == ["4"], told.stderr
+
+
+def test_help_fits_an_80_column_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``evoengineer --help`` and every command's ``--help``, as argparse prints them at 80 columns."""
+    import argparse
+
+    from evoengineer.cli.main import build_parser
+
+    monkeypatch.setenv("COLUMNS", "80")
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert len(commands) >= 10
+    for name, sub in [("evoengineer", parser), *commands.items()]:
+        wide = [line for line in sub.format_help().splitlines() if len(line) > 80]
+        assert not wide, f"{name} --help: {wide}"

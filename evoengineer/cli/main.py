@@ -13,15 +13,16 @@ from .common import EXIT_USAGE, UsageError
 
 _EPILOG = """\
 typical session:
-  evoengineer spaces                               # the built-in search spaces
-  evoengineer check --space spaces/l4.yaml         # render + compile every valid config, no GPU needed
-  evoengineer baseline --space h100                # time PyTorch SDPA's backends on this GPU
-  evoengineer bench --space h100 --config PATH=wmma,BLOCK_M=64,BLOCK_N=64,WARPS=4,VEC=8
-  evoengineer search --space h100 --time 10m       # the search (GPU)
-  evoengineer leaderboard runs/<run>               # the ranked finalists
-  evoengineer leaderboard runs/<run> --per-shape   # the fastest config of every case
-  evoengineer report runs/<run>                    # one HTML page: progress, importances, per shape
-  evoengineer export runs/<run> --out best/        # a module choosing a config per call
+  evoengineer spaces                          # the built-in search spaces
+  evoengineer check --space spaces/l4.yaml    # compile every config, no GPU
+  evoengineer baseline --space h100           # time SDPA's backends on this GPU
+  evoengineer bench --space h100 \\
+      --config PATH=wmma,BLOCK_M=64,BLOCK_N=64,WARPS=4,VEC=8   # one config
+  evoengineer search --space h100 --time 10m  # the search (GPU)
+  evoengineer leaderboard runs/<run>          # the ranked finalists
+  evoengineer leaderboard runs/<run> --per-shape   # the fastest config per case
+  evoengineer report runs/<run>               # one HTML page about the run
+  evoengineer export runs/<run> --out best/   # a module choosing per call
 
 --space takes a YAML path or a built-in name (l4, h100, h100-bf16,
 h100-decode); spaces/NAME.yaml falls back to the built-in space NAME when no
@@ -32,7 +33,7 @@ such file exists here.
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="evoengineer",
-        description="Search a space of templated CUDA FlashAttention kernels for the fastest correct one.",
+        description="Search templated CUDA FlashAttention kernels for the fastest correct one.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
