@@ -622,9 +622,9 @@ def run_search(
 
 
 COMPILE_NICENESS = 10
-"""How much lower the compile processes run than the search and its GPU workers: with several
-devices the ahead-compiles fill every core, and a GPU worker or the search thread waiting
-for one of them leaves its GPU idle."""
+"""How much lower the compile processes run than the search and its GPU workers: when the
+ahead-compiles fill every core, a GPU worker or the search thread waiting for a core leaves
+its GPU idle."""
 SWITCH_INTERVAL_S = 0.0005
 """The interpreter's thread switch interval during a search (Python's default is 5 ms): a
 lane thread whose worker has answered waits at most this long for the search thread to let
