@@ -164,7 +164,9 @@ def test_persistent_varies_where_a_tma_producer_loads_and_each_has_its_twin() ->
     valid = list(SPACE.valid_configs())
     persistent = [c for c in valid if c["PERSISTENT"]]
     assert persistent and all(c["PATH"] == "wgmma" and c["PRODUCER"] == 1 and c["LOAD"] == "tma" for c in persistent)
-    assert all(SPACE.contains(c.replace(PERSISTENT=0)) for c in persistent)
+    # each has its non-persistent twin (one Q buffer, no cross-tile stream: both need persistent CTAs)
+    assert all(SPACE.contains(c.replace(PERSISTENT=0, Q_STAGES=1, CROSS_TILE=0)) for c in persistent)
+    assert not any(SPACE.contains(c.replace(PERSISTENT=0)) for c in persistent if c["Q_STAGES"] == 2 or c["CROSS_TILE"])
     assert any(c["BLOCK_N"] == 176 for c in persistent)
 
 

@@ -35,6 +35,12 @@ PERSISTENT = [
     TMA_SEED.replace(BLOCK_N=176, PERSISTENT=1),
     TMA_SEED.replace(INTRA_WG_OVERLAP=0, PINGPONG=0, STAGES=3, PERSISTENT=1),
     SEEDS[2].replace(LOAD="tma", PERSISTENT=1),                    # three consumer warpgroups, four stages
+    TMA_SEED.replace(PERSISTENT=1, Q_STAGES=2),                    # the next work tile's Q a tile ahead
+    # CROSS_TILE: one stream of K/V slots over the work tiles, with ping-pong, without, two Q buffers
+    TMA_SEED.replace(PERSISTENT=1, CROSS_TILE=1),
+    TMA_SEED.replace(BLOCK_N=192, PINGPONG=0, PERSISTENT=1, CROSS_TILE=1),
+    TMA_SEED.replace(PINGPONG=0, PERSISTENT=1, Q_STAGES=2, CROSS_TILE=1),
+    SEEDS[2].replace(LOAD="tma", PERSISTENT=1, CROSS_TILE=1),      # three consumer warpgroups (BLOCK_N 64)
 ]
 CONFIGS = [c for c in SEEDS + NEIGHBOURS + TMA + PERSISTENT if SPACE.contains(c)]
 # EXP2_FMA (a template parameter outside the space): some or all softmax exponentials as FMA-unit polynomials
@@ -73,7 +79,7 @@ def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), PERSISTENT[0]],
+@pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), PERSISTENT[0], PERSISTENT[-2]],
                          ids=Config.short_label)
 def test_query_and_key_lengths_may_differ_and_kv_heads_may_be_grouped(config: Config, causal: bool, head_dim: int) -> None:
     import torch
@@ -128,7 +134,7 @@ def test_a_tma_kernel_refuses_tensors_its_maps_cannot_describe() -> None:
         kernel(q, k, k, torch.empty_like(q))
 
 
-@pytest.mark.parametrize("best", [SEEDS[0], TMA_SEED, PERSISTENT[0]], ids=Config.short_label)
+@pytest.mark.parametrize("best", [SEEDS[0], TMA_SEED, PERSISTENT[0], PERSISTENT[-2]], ids=Config.short_label)
 def test_an_exported_wgmma_configuration_runs_through_the_module(tmp_path: Path, best: Config) -> None:
     import torch
     import torch.nn.functional as F
