@@ -1,32 +1,55 @@
-"""An exported module as a user calls it, against torch.nn.functional.scaled_dot_product_attention.
+"""Time an exported module as a user calls it, against torch's SDPA.
 
-Exports nothing: give it an export directory (``evoengineer export RUN ... --out DIR``).
+Exports nothing: give it an export directory (evoengineer export RUN --out DIR).
 
     python benchmarks/exported_vs_sdpa.py --module best/ --out bench/
-    python benchmarks/exported_vs_sdpa.py --module best/ --dtype fp16 --shape "B1 H8 S512 D64" --quick
+    python benchmarks/exported_vs_sdpa.py --module best/ --quick --dtype fp16 \\
+        --shape "B1 H8 S512 D64"
 
-For each shape, dtype and causal flag (a row is skipped, with a note, where the export has
-no kernel for its dtype / head dim, or no grouped-query attention), one run times:
+A row is a shape, dtype and causal flag (skipped, with a note, where the export
+has no kernel for its dtype / head dim, or no grouped-query attention). In it:
 
-- ``evo``: ``module.attention`` (the fast path), ``evo op``: ``torch.ops.<ns>.attention``
-  (the custom op, through the dispatcher), ``sdpa``: F.scaled_dot_product_attention with
-  torch's own backend choice (nothing forced), and ``sdpa flash|cudnn|efficient``: each
-  backend forced (reference rows; the sdpa_kernel context costs host time of its own);
-- **device µs**: the median of CUDA-graph replays of many launches, events around each
-  replay, inputs rotated over sets larger than twice the L2 (evoengineer's ``time_graph``,
-  the search's own timer);
-- **eager µs**: wall time per call of N back-to-back calls with one synchronize at the end;
-  **overhead** = eager − device (> 0 where the host cannot keep the GPU busy);
-- **host µs**: the CPU time a call takes to return (N calls on an idle GPU, before the
-  synchronize); **sync µs**: a call plus torch.cuda.synchronize(), per call (latency);
-- **graph µs**: one call captured in a CUDA graph, the graph replayed N times back to
-  back, events around them: what a captured model gets per call.
+- evo: module.attention (the fast path); evo op: torch.ops.<ns>.attention (the
+  custom op, through the dispatcher); sdpa: F.scaled_dot_product_attention with
+  torch's own backend choice (nothing forced); sdpa flash|cudnn|efficient: each
+  backend forced (reference; the sdpa_kernel context costs host time of its
+  own).
 
-Speedups are SDPA's time / ours (> 1: ours faster). The targets: eager speedup >= 1 where
-the device speedup is, ours' overhead and host time <= SDPA's, graph speedup within 5% of
-the device speedup. ``--launch-paths`` also times the raw launch calls the module could use
-(cupy.cuda.driver.launchKernel, which it uses; cuda-bindings' cuLaunchKernel; a cupy
-RawKernel call). Tables fit 80 columns; ``--out`` gets results.json and results.csv.
+Every measurement rotates over the same input sets, at least twice the L2 in
+all (call i takes set i mod n), so that no call finds its inputs in L2:
+
+- device µs: evoengineer's time_graph, the search's own timer: the median of
+  CUDA-graph replays of many launches, events around each replay; its spread
+  is (p80 - p20) / 2 of those samples;
+- eager µs: wall time per call of back-to-back calls with one synchronize at
+  the end; 5 loops of max(--calls, ~30 ms of device time) calls (whole
+  rotations over the sets), the median loop; spread: (max - min) / 2 of the 5;
+- overhead = eager - device (> 0 where the host cannot keep the GPU busy);
+- host µs: the CPU time a call takes to return (up to 64 calls on an idle GPU,
+  before the synchronize, best of 5); sync µs: a call plus a synchronize
+  (latency; the median of max(10, --calls / 4));
+- graph µs: a model step, one call per input set (whole rotations, at least 8
+  calls) captured in ONE CUDA graph; the graph replayed back to back, events
+  around the replays; µs per call, the median of 5 samples of >= --calls calls
+  and ~10 ms each;
+- graph1 µs (JSON, CSV and the ×sdpa line): one call per graph, one graph per
+  input set, the graphs replayed in rotation; µs per call, median of 5 samples
+  as above. Bounded by the graph launch for small kernels (the same few µs a
+  replay, whoever's call it holds).
+
+Speedups are SDPA's time / ours (> 1: ours faster). The summary at the end
+checks evo against sdpa on each row, on the unrounded figures:
+
+  (a) eager speedup >= 1 where the device speedup is >= 1 (other rows: n/a);
+  (b) overhead ours <= SDPA's, where a difference within the noise counts as
+      equal; noise = ours' and SDPA's eager spreads + their device spreads;
+  (c) graph speedup within 5% of the device speedup: |graph/device - 1| <= 0.05.
+
+It counts the rows that meet each target and lists those that do not
+(results.json: "targets"). --launch-paths also times the raw launch calls the
+module could use (cupy.cuda.driver.launchKernel, which it uses; cuda-bindings'
+cuLaunchKernel; a cupy RawKernel call). Tables fit 80 columns; --out gets
+results.json and results.csv.
 """
 from __future__ import annotations
 
@@ -53,7 +76,14 @@ SHAPES = [  # name, (B, H, H_kv, S_q, S_k, D), causal flags
 ]
 DTYPES = ("fp16", "bf16")
 BACKENDS = ("flash", "cudnn", "efficient")
-COLUMNS = ("device_us", "eager_us", "overhead_us", "host_us", "sync_us", "graph_us")
+COLUMNS = ("device_us", "device_spread_us", "eager_us", "eager_spread_us", "overhead_us", "host_us", "sync_us",
+           "graph_us", "graph1_us")
+EAGER_LOOPS = 5          # eager: loops measured, the median one reported
+EAGER_LOOP_MS = 30.0     # each loop at least this much device time (and at least --calls calls)
+GRAPH_SAMPLES = 5        # graph and graph1: samples, the median one reported
+GRAPH_SAMPLE_MS = 10.0   # each sample at least this much device time (and at least --calls calls)
+GRAPH_MIN_CALLS = 8      # calls captured in the graph of a model step, at least
+GRAPH_TOLERANCE = 0.05   # target (c): |graph speedup / device speedup - 1| at most this
 
 
 def load_module(directory: Path) -> Any:
@@ -114,63 +144,117 @@ def implementations(module: Any, causal: bool, gqa: bool) -> dict[str, Callable[
     return impls
 
 
-def eager_times(fn: Callable[..., Any], args: tuple, calls: int) -> dict[str, float]:
-    """eager (back-to-back, one sync), host (time to return, idle GPU), sync (call + sync) in µs."""
+def loop_calls(calls: int, device_us: float, loop_ms: float, sets: int) -> int:
+    """Calls in one timed loop: at least ``calls`` and enough for ~``loop_ms`` of device time at
+    ``device_us`` per call, rounded up to whole rotations over ``sets`` input sets."""
+    wanted = max(calls, math.ceil(loop_ms * 1e3 / max(device_us, 1e-3)), 1)
+    return sets * math.ceil(wanted / sets)
+
+
+def half_range(values: list[float]) -> float:
+    """(max - min) / 2: the spread the benchmark reports for repeated loops or samples."""
+    return (max(values) - min(values)) / 2 if values else 0.0
+
+
+def eager_times(fn: Callable[..., Any], sets: list[tuple], calls: int, device_us: float) -> dict[str, Any]:
+    """eager (back-to-back, one sync; median loop and its spread), host (time to return, idle GPU)
+    and sync (call + sync) in µs; call i takes ``sets[i % len(sets)]``, as the device time does."""
     import torch
 
-    for _ in range(3):
+    for args in sets:  # warm-up, one call per set
         fn(*args)
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn(*args)
-    torch.cuda.synchronize()
-    eager = (time.perf_counter() - start) / calls * 1e6
-    hosts = []
-    for _ in range(5):
+    n = loop_calls(calls, device_us, EAGER_LOOP_MS, len(sets))
+    order = [sets[i % len(sets)] for i in range(n)]
+    loops = []
+    for _ in range(EAGER_LOOPS):
         torch.cuda.synchronize()
-        n = min(calls, 64)
         start = time.perf_counter()
-        for _ in range(n):
+        for args in order:
             fn(*args)
-        hosts.append((time.perf_counter() - start) / n * 1e6)
+        torch.cuda.synchronize()
+        loops.append((time.perf_counter() - start) / n * 1e6)
+    hosts = []
+    n_host = min(calls, 64)
+    for trial in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(n_host):
+            fn(*sets[(trial * n_host + i) % len(sets)])
+        hosts.append((time.perf_counter() - start) / n_host * 1e6)
         torch.cuda.synchronize()
     syncs = []
-    for _ in range(max(10, calls // 4)):
+    for i in range(max(10, calls // 4)):
+        args = sets[i % len(sets)]
         start = time.perf_counter()
         fn(*args)
         torch.cuda.synchronize()
         syncs.append((time.perf_counter() - start) * 1e6)
-    return {"eager_us": eager, "host_us": min(hosts), "sync_us": statistics.median(syncs)}
+    return {"eager_us": statistics.median(loops), "eager_spread_us": half_range(loops), "eager_loops_us": loops,
+            "eager_calls": n, "host_us": min(hosts), "sync_us": statistics.median(syncs)}
 
 
-def graph_time(fn: Callable[..., Any], args: tuple, calls: int) -> float:
-    """One call captured in a CUDA graph, replayed ``calls`` times back to back: µs per replay."""
+def _replay_samples(graphs: list[Any], calls: int) -> list[float]:
+    """µs per call of replaying ``graphs`` back to back, in order (``calls`` calls in all), events
+    around them, GRAPH_SAMPLES times."""
+    import torch
+
+    samples = []
+    for _ in range(GRAPH_SAMPLES):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for graph in graphs:
+            graph.replay()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) * 1e3 / calls)
+    return samples
+
+
+def graph_times(fn: Callable[..., Any], sets: list[tuple], calls: int, device_us: float) -> dict[str, Any]:
+    """graph: one call per input set (whole rotations, at least GRAPH_MIN_CALLS) captured in one
+    CUDA graph, a model step's graph, replayed back to back; graph1: one call per graph, one graph
+    per set, replayed in rotation (bounded by the graph launch for small kernels). µs per call."""
     import torch
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
+        for args in sets:  # warm-up off the capture
             fn(*args)
     stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn(*args)
-    for _ in range(5):
+
+    def capture(args_list: list[tuple], pool: Any = None) -> Any:
+        # capture_begin/end rather than ``torch.cuda.graph``, whose entry empties the allocator's cache
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            try:
+                for args in args_list:
+                    fn(*args)
+            finally:
+                graph.capture_end()
+        return graph
+
+    per_graph = len(sets) * math.ceil(GRAPH_MIN_CALLS / len(sets))
+    step = capture([sets[i % len(sets)] for i in range(per_graph)])
+    replays = loop_calls(calls, device_us, GRAPH_SAMPLE_MS, per_graph) // per_graph
+    step.replay()
+    torch.cuda.synchronize()
+    samples = _replay_samples([step] * replays, replays * per_graph)
+    del step
+    # graph1: the graphs share one memory pool, safe as they replay in the order of their capture
+    pool = torch.cuda.graph_pool_handle()
+    singles = [capture([args], pool) for args in sets]
+    n1 = loop_calls(calls, device_us, GRAPH_SAMPLE_MS, len(sets))
+    order = [singles[i % len(singles)] for i in range(n1)]
+    for graph in singles:
         graph.replay()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / calls)
-    del graph
-    return statistics.median(samples)
+    samples1 = _replay_samples(order, n1)
+    del order, singles
+    return {"graph_us": statistics.median(samples), "graph_spread_us": half_range(samples), "graph_calls": per_graph,
+            "graph1_us": statistics.median(samples1), "graph1_spread_us": half_range(samples1)}
 
 
 def measure(name: str, fn: Callable[..., Any], sets: list[tuple], calls: int, repetitions: int) -> dict:
@@ -181,10 +265,12 @@ def measure(name: str, fn: Callable[..., Any], sets: list[tuple], calls: int, re
     row: dict[str, Any] = {"impl": name}
     try:
         device = time_graph([lambda s=s: fn(*s) for s in sets], repetitions=repetitions, warmup=5)
-        row["device_us"] = device.median_us
-        row.update(eager_times(fn, sets[0], calls))
+        row.update(device_us=device.median_us, device_p20_us=device.p20_us, device_p80_us=device.p80_us,
+                   device_spread_us=(device.p80_us - device.p20_us) / 2, device_repetitions=device.repetitions)
+        row.update(eager_times(fn, sets, calls, device.median_us))
         row["overhead_us"] = row["eager_us"] - row["device_us"]
-        row["graph_us"] = graph_time(fn, sets[0], calls)
+        row.update(graph_times(fn, sets, calls, device.median_us))
+        row["input_sets"] = len(sets)
         row["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 - a backend that does not take the shape is a row, not a crash
         torch.cuda.synchronize()
@@ -206,25 +292,153 @@ def speedups(rows: list[dict]) -> dict[str, float | None]:
     sdpa = next((r for r in rows if r["impl"] == "sdpa" and r["status"] == "ok"), None)
     if not ours or not sdpa:
         return {}
-    out = {c: sdpa[c] / ours[c] for c in ("device_us", "eager_us", "graph_us", "host_us") if ours[c] > 0}
+    out = {c: sdpa[c] / ours[c] for c in ("device_us", "eager_us", "graph_us", "graph1_us", "host_us") if ours[c] > 0}
     out["overhead_evo_us"], out["overhead_sdpa_us"] = ours["overhead_us"], sdpa["overhead_us"]
     return out
 
 
 def print_block(console: Any, title: str, rows: list[dict], ratio: dict, err: float | None) -> None:
     console.print(f"[bold]{title}[/]")
-    console.print(f"  {'impl':<15}{'dev µs':>9}{'eager µs':>10}{'ovh µs':>8}{'host µs':>9}{'sync µs':>9}{'graph µs':>10}")
+    console.print(f"  {'impl':<15}{'dev µs':>9}{'eager µs':>10}{'±':>6}{'ovh µs':>8}{'host µs':>9}{'sync µs':>9}"
+                  f"{'graph µs':>10}")
     for r in rows:
         if r["status"] != "ok":
             console.print(f"  {r['impl']:<15}[dim]{r.get('reason', r['status'])[:60]}[/]")
             continue
-        console.print(f"  {r['impl']:<15}{r['device_us']:>9.1f}{r['eager_us']:>10.1f}{r['overhead_us']:>8.1f}"
-                      f"{r['host_us']:>9.1f}{r['sync_us']:>9.1f}{r['graph_us']:>10.1f}")
+        console.print(f"  {r['impl']:<15}{r['device_us']:>9.1f}{r['eager_us']:>10.1f}{r['eager_spread_us']:>6.1f}"
+                      f"{r['overhead_us']:>8.1f}{r['host_us']:>9.1f}{r['sync_us']:>9.1f}{r['graph_us']:>10.1f}")
     if ratio:
         console.print(f"  ×sdpa device {ratio['device_us']:.2f} eager {ratio['eager_us']:.2f} graph {ratio['graph_us']:.2f} "
-                      f"host {ratio['host_us']:.2f}; overhead {ratio['overhead_evo_us']:.1f} vs {ratio['overhead_sdpa_us']:.1f} µs")
+                      f"graph1 {ratio['graph1_us']:.2f} host {ratio['host_us']:.2f}")
+        console.print(f"  overhead {ratio['overhead_evo_us']:.1f} µs, sdpa's {ratio['overhead_sdpa_us']:.1f} µs")
     if err is not None:
         console.print(f"  max abs error against fp32 SDPA: {err:.1e}")
+
+
+# -- the issue's targets, evo against sdpa on each row (pure: no torch) ---------------------------
+
+
+def row_label(shape: str, dtype: str, causal: bool) -> str:
+    return f"{shape}{' causal' if causal else ''} {dtype}"
+
+
+def overhead_noise_us(ours: dict, sdpa: dict) -> float:
+    """The noise of ``overhead ours - overhead SDPA's``: each overhead is eager - device, so the sum
+    of both eager spreads ((max - min) / 2 of the loops) and both device spreads ((p80 - p20) / 2)."""
+    return sum(r.get("eager_spread_us", 0.0) + r.get("device_spread_us", 0.0) for r in (ours, sdpa))
+
+
+def target_verdicts(ours: dict, sdpa: dict, tolerance: float = GRAPH_TOLERANCE) -> dict[str, dict]:
+    """The three targets on one row, from the evo and sdpa measurements (dicts with device_us,
+    eager_us, graph_us, overhead_us and the spreads):
+
+    a: eager speedup >= 1 where the device speedup is >= 1 (``applies`` False and ``met`` None
+       elsewhere);
+    b: overhead ours <= SDPA's; a difference within ``overhead_noise_us`` counts as equal
+       (verdict ``lower``, ``equal`` or ``higher``; met unless higher);
+    c: |graph speedup / device speedup - 1| <= ``tolerance``.
+    """
+    device = sdpa["device_us"] / ours["device_us"]
+    eager = sdpa["eager_us"] / ours["eager_us"]
+    graph = sdpa["graph_us"] / ours["graph_us"]
+    applies = device >= 1.0
+    noise = overhead_noise_us(ours, sdpa)
+    difference = ours["overhead_us"] - sdpa["overhead_us"]
+    verdict = "lower" if difference < -noise else "equal" if difference <= noise else "higher"
+    deviation = graph / device - 1
+    return {
+        "a": {"device_speedup": device, "eager_speedup": eager, "applies": applies,
+              "met": eager >= 1.0 if applies else None},
+        "b": {"overhead_evo_us": ours["overhead_us"], "overhead_sdpa_us": sdpa["overhead_us"],
+              "difference_us": difference, "noise_us": noise, "verdict": verdict, "met": verdict != "higher"},
+        "c": {"graph_speedup": graph, "device_speedup": device, "deviation": deviation,
+              "met": abs(deviation) <= tolerance + 1e-12},
+    }
+
+
+def evaluate_targets(results: list[dict]) -> list[dict]:
+    """One entry per row (shape, dtype, causal) in the order measured: its label and the three
+    verdicts, or ``missing`` where evo or sdpa has no measurement on it."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["shape"], r["dtype"], r["causal"]), []).append(r)
+    out = []
+    for (shape, dtype, causal), rows in groups.items():
+        entry: dict[str, Any] = {"row": row_label(shape, dtype, causal), "shape": shape, "dtype": dtype,
+                                 "causal": causal}
+        ours, sdpa = ({r["impl"]: r for r in rows if r.get("status") == "ok"}.get(k) for k in ("evo", "sdpa"))
+        if ours is None or sdpa is None:
+            entry["missing"] = "no evo measurement" if ours is None else "no sdpa measurement"
+        else:
+            entry.update(target_verdicts(ours, sdpa))
+        out.append(entry)
+    return out
+
+
+def summarize_targets(entries: list[dict]) -> dict[str, dict]:
+    """Per target: rows it applies to, rows that meet it, the labels of those that do not."""
+    out = {}
+    for key in "abc":
+        rows = [e for e in entries if key in e and e[key]["met"] is not None]
+        out[key] = {"rows": len(rows), "met": sum(1 for e in rows if e[key]["met"]),
+                    "not_met": [e["row"] for e in rows if not e[key]["met"]]}
+    out["b"]["equal"] = sum(1 for e in entries if "b" in e and e["b"]["verdict"] == "equal")
+    out["missing"] = {"rows": len([e for e in entries if "missing" in e]),
+                      "labels": [e["row"] for e in entries if "missing" in e]}
+    return out
+
+
+TARGET_NAMES = {
+    "a": "eager ×sdpa >= 1 where device ×sdpa >= 1",
+    "b": "overhead <= sdpa's, or equal within noise",
+    "c": "graph ×sdpa within 5% of device ×sdpa",
+}
+
+
+def target_lines(entries: list[dict]) -> list[str]:
+    """The summary as printed (plain text, at most 80 columns): a line per row with the figures
+    and verdicts, then per target how many rows meet it and the rows that do not."""
+    if not entries:
+        return []
+    mark = {True: "ok", False: "NO", None: "-"}
+    width = max(len(e["row"]) for e in entries)  # the numbers right-aligned after it bring a space
+    lines = ["targets, evo against sdpa (×: SDPA's time / ours)",
+             "  a: eager ×sdpa >= 1 where device ×sdpa >= 1 (-: device < 1)",
+             "  b: overhead µs, ours and sdpa's; noise: the sum of both eager and",
+             "     device spreads; <, =, >: lower, equal within noise, higher",
+             "  c: |graph ×sdpa / device ×sdpa - 1| <= 5%",
+             f"  {'row':<{width}}{'×dev':>5}{'×eag':>5}{'a':>3}{'ovh':>7}{'sdpa':>7}{'noise':>6}{'b':>2}"
+             f"{'×gr':>5}{'c':>3}"]
+    sign = {"lower": "<", "equal": "=", "higher": ">"}
+    for e in entries:
+        if "missing" in e:
+            lines.append(f"  {e['row']:<{width}}{e['missing']}")
+            continue
+        a, b, c = e["a"], e["b"], e["c"]
+        lines.append(f"  {e['row']:<{width}}{a['device_speedup']:>5.2f}{a['eager_speedup']:>5.2f}{mark[a['met']]:>3}"
+                     f"{b['overhead_evo_us']:>7.1f}{b['overhead_sdpa_us']:>7.1f}{b['noise_us']:>6.1f}"
+                     f"{sign[b['verdict']]:>2}{c['graph_speedup']:>5.2f}{mark[c['met']]:>3}")
+    summary = summarize_targets(entries)
+    for key in "abc":
+        s = summary[key]
+        extra = f" ({s['equal']} of them equal)" if key == "b" and s["equal"] else ""
+        lines.append(f"({key}) {TARGET_NAMES[key]}: {s['met']} of {s['rows']} rows{extra}")
+        for e in entries:
+            if "missing" in e or e[key]["met"] is not False:
+                continue
+            t = e[key]
+            if key == "a":
+                detail = f"device {t['device_speedup']:.3f}, eager {t['eager_speedup']:.3f}"
+            elif key == "b":
+                detail = (f"{t['overhead_evo_us']:.1f} vs {t['overhead_sdpa_us']:.1f} µs, "
+                          f"+{t['difference_us']:.1f} > noise {t['noise_us']:.1f}")
+            else:
+                detail = f"graph {t['graph_speedup']:.2f}, device {t['device_speedup']:.2f} ({t['deviation']:+.1%})"
+            lines.append(f"    not met: {e['row']}: {detail}")
+    if summary["missing"]["rows"]:
+        n = summary["missing"]["rows"]
+        lines.append(f"not evaluated: {n} row{'s' if n > 1 else ''} without an evo or sdpa measurement")
+    return lines
 
 
 def launch_paths(module: Any, dtype: Any, calls: int) -> list[dict]:
@@ -314,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write results.json and results.csv here")
     parser.add_argument("--dtype", action="append", choices=DTYPES, help="fp16 and/or bf16 (default both)")
     parser.add_argument("--shape", action="append", help="only these shapes (names as listed in SHAPES, repeatable)")
-    parser.add_argument("--calls", type=int, default=200, help="calls per eager and graph measurement")
+    parser.add_argument("--calls", type=int, default=200, help="calls per eager loop and per graph sample, at least")
     parser.add_argument("--repetitions", type=int, default=50, help="graph replays per device-time measurement")
     parser.add_argument("--quick", action="store_true", help="fewer calls and repetitions")
     parser.add_argument("--no-backends", action="store_true", help="skip the forced SDPA backend rows")
@@ -378,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
                                        if r["impl"] == "evo" else {})})
                 del sets
                 torch.cuda.empty_cache()
+    targets = evaluate_targets(results)
+    for i, line in enumerate(target_lines(targets)):
+        console.print(line, style="bold" if i == 0 else None, markup=False)
     paths = launch_paths(module, torch.float16 if "fp16" in module.DTYPES else torch.bfloat16, args.calls) if args.launch_paths else []
     if paths:
         console.print("[bold]launch paths[/] (host µs per call, B1 H8 S512 D64, GPU not saturated)")
@@ -386,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         doc = {"gpu": props.name, "torch": torch.__version__, "module": str(args.module), "op": module.OP_NAMESPACE,
-               "rows": results, "notes": notes, "launch_paths": paths}
+               "rows": results, "notes": notes, "launch_paths": paths,
+               "targets": {"rows": targets, "summary": summarize_targets(targets)}}
         (args.out / "results.json").write_text(json.dumps(doc, indent=2, default=str))
         fields = ["shape", "dtype", "causal", "impl", "status", *COLUMNS, "max_abs_err", "config", "reason"]
         with (args.out / "results.csv").open("w", newline="") as fh:

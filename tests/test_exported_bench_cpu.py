@@ -1,0 +1,128 @@
+"""benchmarks/exported_vs_sdpa.py's target verdicts and loop sizes, on hand-made rows (no GPU)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = REPO / "benchmarks" / "exported_vs_sdpa.py"
+    spec = importlib.util.spec_from_file_location("exported_vs_sdpa", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["exported_vs_sdpa"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("exported_vs_sdpa", None)
+
+
+def measured(impl: str, device: float, eager: float, graph: float, *, eager_spread: float = 0.2,
+             device_spread: float = 0.05, shape: str = "B1 H8 S512 D64", dtype: str = "fp16",
+             causal: bool = False) -> dict:
+    return {"shape": shape, "dtype": dtype, "causal": causal, "impl": impl, "status": "ok", "device_us": device,
+            "eager_us": eager, "overhead_us": eager - device, "graph_us": graph, "eager_spread_us": eager_spread,
+            "device_spread_us": device_spread}
+
+
+def pair(ours: tuple, sdpa: tuple, **kw) -> list[dict]:
+    return [measured("evo", *ours, **kw), measured("sdpa", *sdpa, **kw)]
+
+
+def test_a_row_that_meets_every_target(bench) -> None:
+    # device 10/6 = 1.67, eager 18/10 = 1.8, overhead 4 < 8, graph 10.1/6.1 = 1.66 (-0.7% off the device's)
+    v = bench.target_verdicts(*pair((6.0, 10.0, 6.1), (10.0, 18.0, 10.1)))
+    assert v["a"]["applies"] and v["a"]["met"] is True
+    assert v["b"]["verdict"] == "lower" and v["b"]["met"] and v["b"]["difference_us"] == pytest.approx(-4.0)
+    assert v["b"]["noise_us"] == pytest.approx(2 * (0.2 + 0.05))
+    assert v["c"]["met"] and v["c"]["deviation"] == pytest.approx(10.1 / 6.1 / (10 / 6) - 1)
+
+
+def test_each_target_can_fail(bench) -> None:
+    # (a): device speedup 1.01, eager 0.997; (b) still holds: 0.5 against -0.8 µs, within a noise of 1.4
+    a = bench.target_verdicts(*pair((100.0, 100.5, 100.0), (101.0, 100.2, 101.0), eager_spread=0.5, device_spread=0.2))
+    assert a["a"]["applies"] and a["a"]["met"] is False
+    assert a["b"]["verdict"] == "equal" and a["c"]["met"]
+    # (a) does not apply where the device speedup is below 1, whatever eager reads
+    na = bench.target_verdicts(*pair((100.0, 150.0, 100.0), (90.0, 91.0, 90.0)))
+    assert not na["a"]["applies"] and na["a"]["met"] is None
+    # (b): overhead 20 µs against 2, far past a noise of 0.5
+    b = bench.target_verdicts(*pair((100.0, 120.0, 100.0), (100.0, 102.0, 100.0)))
+    assert b["b"]["verdict"] == "higher" and b["b"]["met"] is False
+    assert b["a"]["applies"] and b["a"]["met"] is False and b["c"]["met"]
+    # (c): device 1.57, graph 1.38 (-12%: a graph launch per call dilutes it)
+    c = bench.target_verdicts(*pair((6.4, 10.0, 7.25), (10.0, 15.0, 10.0)))
+    assert c["c"]["met"] is False and c["c"]["deviation"] == pytest.approx(10.0 / 7.25 / (10.0 / 6.4) - 1)
+    assert c["a"]["met"] and c["b"]["met"]
+    # (c)'s bound is 5% either way
+    assert bench.target_verdicts(*pair((10.0, 10.0, 10.0), (10.0, 10.0, 10.4)))["c"]["met"]
+    assert not bench.target_verdicts(*pair((10.0, 10.0, 10.0), (10.0, 10.0, 10.6)))["c"]["met"]
+    assert not bench.target_verdicts(*pair((10.0, 10.0, 10.0), (10.0, 10.0, 9.4)))["c"]["met"]
+
+
+def test_overhead_within_noise_counts_as_equal(bench) -> None:
+    # ours 5 µs, SDPA's 4: 1 µs higher; noise 0.5 + 0.5 + 0.1 + 0.1 = 1.2 µs covers it
+    noisy = pair((50.0, 55.0, 50.0), (50.0, 54.0, 50.0), eager_spread=0.5, device_spread=0.1)
+    v = bench.target_verdicts(*noisy)
+    assert v["b"]["noise_us"] == pytest.approx(1.2)
+    assert v["b"]["verdict"] == "equal" and v["b"]["met"] is True
+    # the same 1 µs with steadier loops (noise 0.2 + 0.2 + 0.1 + 0.1 = 0.6 µs) is higher
+    steady = pair((50.0, 55.0, 50.0), (50.0, 54.0, 50.0), eager_spread=0.2, device_spread=0.1)
+    v = bench.target_verdicts(*steady)
+    assert v["b"]["noise_us"] == pytest.approx(0.6)
+    assert v["b"]["verdict"] == "higher" and v["b"]["met"] is False
+    # lower by less than the noise is equal too, not lower
+    v = bench.target_verdicts(*pair((50.0, 54.0, 50.0), (50.0, 55.0, 50.0), eager_spread=0.5, device_spread=0.1))
+    assert v["b"]["verdict"] == "equal" and v["b"]["met"]
+
+
+def test_rows_are_grouped_counted_and_listed(bench) -> None:
+    results = [
+        *pair((6.0, 10.0, 6.1), (10.0, 18.0, 10.1), shape="B1 H8 S512 D64"),
+        measured("sdpa flash", 9.0, 30.0, 9.0, shape="B1 H8 S512 D64"),  # a forced backend: not SDPA's choice
+        *pair((100.0, 100.5, 100.0), (101.0, 100.2, 101.0), eager_spread=0.5, device_spread=0.2,
+              shape="B2 H32/8 S2048 D128 GQA", dtype="bf16", causal=True),
+        *pair((100.0, 120.0, 100.0), (100.0, 102.0, 100.0), shape="B4 H16 S2048 D64"),
+        *pair((6.4, 10.0, 7.25), (10.0, 15.0, 10.0), shape="B1 H8 S512 D64", dtype="bf16"),
+        measured("evo", 6.0, 10.0, 6.0, shape="B8 H32 S1/4096 D128"),
+        {"shape": "B8 H32 S1/4096 D128", "dtype": "fp16", "causal": False, "impl": "sdpa", "status": "unsupported"},
+    ]
+    entries = bench.evaluate_targets(results)
+    assert [e["row"] for e in entries] == ["B1 H8 S512 D64 fp16", "B2 H32/8 S2048 D128 GQA causal bf16",
+                                          "B4 H16 S2048 D64 fp16", "B1 H8 S512 D64 bf16", "B8 H32 S1/4096 D128 fp16"]
+    assert entries[0]["a"]["eager_speedup"] == pytest.approx(1.8)  # against "sdpa", not "sdpa flash"
+    assert entries[-1]["missing"] == "no sdpa measurement" and "a" not in entries[-1]
+    summary = bench.summarize_targets(entries)
+    assert summary["a"] == {"rows": 4, "met": 2, "not_met": ["B2 H32/8 S2048 D128 GQA causal bf16",
+                                                             "B4 H16 S2048 D64 fp16"]}
+    assert (summary["b"]["rows"], summary["b"]["met"], summary["b"]["not_met"]) == (4, 3, ["B4 H16 S2048 D64 fp16"])
+    assert summary["b"]["equal"] == 1
+    assert summary["c"]["not_met"] == ["B1 H8 S512 D64 bf16"] and summary["c"]["met"] == 3
+    assert summary["missing"]["labels"] == ["B8 H32 S1/4096 D128 fp16"]
+
+    lines = bench.target_lines(entries)
+    assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
+    text = "\n".join(lines)
+    assert "(a) eager ×sdpa >= 1 where device ×sdpa >= 1: 2 of 4 rows" in text
+    assert "(c) graph ×sdpa within 5% of device ×sdpa: 3 of 4 rows" in text
+    assert "    not met: B4 H16 S2048 D64 fp16: 20.0 vs 2.0 µs, +18.0 > noise 0.5" in text
+    assert "    not met: B1 H8 S512 D64 bf16: graph 1.38, device 1.56 (-11.7%)" in text
+    assert "    not met: B2 H32/8 S2048 D128 GQA causal bf16: device 1.010, eager 0.997" in text
+    assert "(b) overhead <= sdpa's, or equal within noise: 3 of 4 rows (1 of them equal)" in text
+    assert text.endswith("not evaluated: 1 row without an evo or sdpa measurement")
+    row = next(line for line in lines if line.startswith("  B4 H16 S2048 D64 fp16 "))
+    assert row.split()[-9:] == ["1.00", "0.85", "NO", "20.0", "2.0", "0.5", ">", "1.00", "ok"]
+
+
+def test_loop_sizes(bench) -> None:
+    # at least --calls, at least ~30 ms of device time, whole rotations over the sets
+    assert bench.loop_calls(200, 6.0, 30.0, 50) == 5000
+    assert bench.loop_calls(200, 3000.0, 30.0, 1) == 200
+    assert bench.loop_calls(200, 3000.0, 30.0, 3) == 201
+    assert bench.loop_calls(50, 100.0, 10.0, 8) == 104
+    assert bench.half_range([10.0, 12.0, 11.0]) == pytest.approx(1.0)
+    assert bench.half_range([]) == 0.0
