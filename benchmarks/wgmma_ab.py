@@ -60,12 +60,17 @@ def parse_param(text: str) -> tuple[str, tuple]:
 
 
 def pairs(extra: list[str], param: tuple[str, tuple] = ("LOAD", ("cpasync", "tma"))) -> list[dict[str, Config]]:
-    """(A, B) of the seed, its neighbours (LOAD only) and each ``--config``; SystemExit for one outside the space."""
+    """(A, B) of the seed, its neighbours (LOAD only) and each ``--config``; SystemExit for one outside the space
+    (the seed's own pair is left out where the parameter needs other values, e.g. CROSS_TILE, and
+    ``--config`` pairs are given)."""
     name, values = param
     found = []
     base = [SEED, *NEIGHBOURS] if name == "LOAD" else [SEED]
-    for config in [*base, *(Config({**dict(SEED), **dict(Config.parse(text))}) for text in extra)]:
+    extras = [Config({**dict(SEED), **dict(Config.parse(text))}) for text in extra]
+    for config in [*base, *extras]:
         pair = {str(v): config.replace(**{name: v}) for v in values}
+        if config is SEED and extras and not all(SPACE.contains(c) for c in pair.values()):
+            continue
         for c in pair.values():
             if not SPACE.contains(c):
                 raise SystemExit(f"not in the h100 space: {c.label()} ({'; '.join(SPACE.violations(c)) or 'unknown parameter'})")
