@@ -157,6 +157,34 @@ def test_exp2_fma_takes_0_to_8() -> None:
         render("flash_attention", SEED.replace(EXP2_FMA=9), Variant(64, False))
 
 
+CROSS_TILE = [PERSISTENT.replace(CROSS_TILE=1), PERSISTENT.replace(PINGPONG=0, Q_STAGES=2, CROSS_TILE=1),
+              PERSISTENT.replace(BLOCK_N=192, PINGPONG=0, CROSS_TILE=1)]
+
+
+@pytest.mark.parametrize("config", [SEED, PERSISTENT, *CROSS_TILE], ids=Config.short_label)
+@pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False)])
+def test_wgmma_stays_asynchronous_and_nothing_spills(config: Config, head_dim: int, causal: bool) -> None:
+    """ptxas keeps the wgmma asynchronous (it says so in its log when it cannot: zeroing the
+    accumulators between two tiles' P V, for one, made it serialize them; CROSS_TILE overwrites
+    them with the first P V instead)."""
+    compiled = compile_source(render("flash_attention", config, Variant(head_dim, causal)).source, "sm_90a")
+    assert compiled.ok, compiled.error
+    assert not compiled.wgmma_serialized, compiled.log
+    assert compiled.spill_bytes == 0, compiled.kernels
+
+
+def test_cross_tile_and_a_second_q_buffer_need_persistent_ctas() -> None:
+    with pytest.raises(RenderError, match="CROSS_TILE_REQUIRES_PERSISTENT_AND_OVERLAP"):
+        render("flash_attention", SEED.replace(CROSS_TILE=1), Variant(64, False))
+    with pytest.raises(RenderError, match="CROSS_TILE_REQUIRES_PERSISTENT_AND_OVERLAP"):
+        render("flash_attention", PERSISTENT.replace(INTRA_WG_OVERLAP=0, PINGPONG=0, STAGES=3, CROSS_TILE=1), Variant(64, False))
+    with pytest.raises(RenderError, match="Q_STAGES_2_REQUIRES_PERSISTENT"):
+        render("flash_attention", SEED.replace(Q_STAGES=2), Variant(64, False))
+    two = render("flash_attention", PERSISTENT.replace(Q_STAGES=2), Variant(128, False))
+    one = render("flash_attention", PERSISTENT, Variant(128, False))
+    assert two.launches[0].smem == one.launches[0].smem + 2 * 128 * 128   # a second 128-row Q tile
+
+
 # -- the space -----------------------------------------------------------------------------------
 
 
@@ -164,9 +192,7 @@ def test_persistent_varies_where_a_tma_producer_loads_and_each_has_its_twin() ->
     valid = list(SPACE.valid_configs())
     persistent = [c for c in valid if c["PERSISTENT"]]
     assert persistent and all(c["PATH"] == "wgmma" and c["PRODUCER"] == 1 and c["LOAD"] == "tma" for c in persistent)
-    # each has its non-persistent twin (one Q buffer, no cross-tile stream: both need persistent CTAs)
-    assert all(SPACE.contains(c.replace(PERSISTENT=0, Q_STAGES=1, CROSS_TILE=0)) for c in persistent)
-    assert not any(SPACE.contains(c.replace(PERSISTENT=0)) for c in persistent if c["Q_STAGES"] == 2 or c["CROSS_TILE"])
+    assert all(SPACE.contains(c.replace(PERSISTENT=0)) for c in persistent)
     assert any(c["BLOCK_N"] == 176 for c in persistent)
 
 

@@ -70,6 +70,12 @@ class CompileResult:
         return sum(k.spills for k in self.kernels.values())
 
     @property
+    def wgmma_serialized(self) -> bool:
+        """ptxas made the kernel's wgmma synchronous (its log's "Potential Performance Loss"):
+        each waits for the one before, so nothing overlaps the tensor cores' work."""
+        return "wgmma.mma_async instructions are serialized" in self.log
+
+    @property
     def stack_bytes(self) -> int:
         return max((k.stack_bytes for k in self.kernels.values()), default=0)
 

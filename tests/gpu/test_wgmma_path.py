@@ -35,16 +35,20 @@ PERSISTENT = [
     TMA_SEED.replace(BLOCK_N=176, PERSISTENT=1),
     TMA_SEED.replace(INTRA_WG_OVERLAP=0, PINGPONG=0, STAGES=3, PERSISTENT=1),
     SEEDS[2].replace(LOAD="tma", PERSISTENT=1),                    # three consumer warpgroups, four stages
-    TMA_SEED.replace(PERSISTENT=1, Q_STAGES=2),                    # the next work tile's Q a tile ahead
-    # CROSS_TILE: one stream of K/V slots over the work tiles, with ping-pong, without, two Q buffers
-    TMA_SEED.replace(PERSISTENT=1, CROSS_TILE=1),
-    TMA_SEED.replace(BLOCK_N=192, PINGPONG=0, PERSISTENT=1, CROSS_TILE=1),
-    TMA_SEED.replace(PINGPONG=0, PERSISTENT=1, Q_STAGES=2, CROSS_TILE=1),
-    SEEDS[2].replace(LOAD="tma", PERSISTENT=1, CROSS_TILE=1),      # three consumer warpgroups (BLOCK_N 64)
 ]
 CONFIGS = [c for c in SEEDS + NEIGHBOURS + TMA + PERSISTENT if SPACE.contains(c)]
 # EXP2_FMA (a template parameter outside the space): some or all softmax exponentials as FMA-unit polynomials
 EXP2_FMA = [TMA_SEED.replace(EXP2_FMA=8), PERSISTENT[0].replace(EXP2_FMA=2), TMA_SEED.replace(BLOCK_N=192, EXP2_FMA=3)]
+# Q_STAGES (the next work tile's Q a tile ahead) and CROSS_TILE (one stream of K/V slots over a persistent
+# CTA's work tiles): template parameters outside the space too; with ping-pong, without, two Q buffers, three
+# consumer warpgroups
+CROSS_TILE = [
+    PERSISTENT[0].replace(Q_STAGES=2),
+    PERSISTENT[0].replace(CROSS_TILE=1),
+    TMA_SEED.replace(BLOCK_N=192, PINGPONG=0, PERSISTENT=1, CROSS_TILE=1),
+    TMA_SEED.replace(PINGPONG=0, PERSISTENT=1, Q_STAGES=2, CROSS_TILE=1),
+    SEEDS[2].replace(LOAD="tma", PERSISTENT=1, CROSS_TILE=1),
+]
 # ... plus 80 heads of 2048 keys: persistent CTAs run ten rounds of work tiles, the last one partial
 # (causal: in reverse, the snake order's odd round)
 SHAPES = [(1, 8, 512), (2, 3, 77), (1, 2, 5), (1, 1, 1), (1, 1, 257), (1, 2, 1000), (1, 2, 2048), (2, 40, 2048)]
@@ -66,7 +70,7 @@ def _kernel(config: Config, variant: Variant):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", CONFIGS + EXP2_FMA, ids=Config.label)
+@pytest.mark.parametrize("config", CONFIGS + EXP2_FMA + CROSS_TILE, ids=Config.label)
 def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
     from evoengineer.gpu.evaluate import gate_launcher
 
@@ -79,7 +83,7 @@ def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), PERSISTENT[0], PERSISTENT[-2]],
+@pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), PERSISTENT[0], CROSS_TILE[-2]],
                          ids=Config.short_label)
 def test_query_and_key_lengths_may_differ_and_kv_heads_may_be_grouped(config: Config, causal: bool, head_dim: int) -> None:
     import torch
@@ -134,7 +138,7 @@ def test_a_tma_kernel_refuses_tensors_its_maps_cannot_describe() -> None:
         kernel(q, k, k, torch.empty_like(q))
 
 
-@pytest.mark.parametrize("best", [SEEDS[0], TMA_SEED, PERSISTENT[0], PERSISTENT[-2]], ids=Config.short_label)
+@pytest.mark.parametrize("best", [SEEDS[0], TMA_SEED, PERSISTENT[0]], ids=Config.short_label)
 def test_an_exported_wgmma_configuration_runs_through_the_module(tmp_path: Path, best: Config) -> None:
     import torch
     import torch.nn.functional as F
