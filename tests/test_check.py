@@ -47,7 +47,7 @@ def test_check_json_summary_and_exit_code(tmp_path: Path) -> None:
                           capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    assert set(data["summary"]) >= {"valid", "compiled", "failed", "spilling"}
+    assert set(data["summary"]) >= {"valid", "compiled", "failed", "spilling", "wgmma_serialized"}
     assert data["summary"]["compiled"] == 4 and data["summary"]["failed"] == 0
     assert len(data["configs"]) == 4 and all(c["registers"] > 0 for c in data["configs"])
 

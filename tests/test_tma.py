@@ -173,6 +173,18 @@ def test_wgmma_stays_asynchronous_and_nothing_spills(config: Config, head_dim: i
     assert compiled.spill_bytes == 0, compiled.kernels
 
 
+def test_a_serialized_wgmma_is_seen_in_the_compile() -> None:
+    """Zeroing the accumulators between two work tiles' P V (what CROSS_TILE avoids) makes ptxas
+    serialize every wgmma; the compile result says so, and check counts it."""
+    source = render("flash_attention", CROSS_TILE[0], Variant(64, False)).source
+    store = "store_o_regs(o, l_out, "
+    at = source.index(";", source.index(store)) + 1
+    zeroed = source[:at] + "\n            for (int i = 0; i < D / 2; ++i) o[i] = 0.f;" + source[at:]
+    compiled = compile_source(zeroed, "sm_90a")
+    assert compiled.ok and compiled.wgmma_serialized, compiled.log
+    assert not compile_source(source, "sm_90a").wgmma_serialized
+
+
 def test_cross_tile_and_a_second_q_buffer_need_persistent_ctas() -> None:
     with pytest.raises(RenderError, match="CROSS_TILE_REQUIRES_PERSISTENT_AND_OVERLAP"):
         render("flash_attention", SEED.replace(CROSS_TILE=1), Variant(64, False))

@@ -67,6 +67,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         "compiled": len(reports) - len(failed),
         "failed": len(failed),
         "spilling": sum(r.spilling for r in reports),
+        "wgmma_serialized": sum(r.wgmma_serialized for r in reports),
         "variants": [v.label() for v in space.variants],
         "seconds": round(elapsed, 1),
     }
@@ -83,8 +84,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             out.print(f"({len(reports) - len(shown)} more compiled without spills; --all lists every row, --json gives all)")
         out.print(
             f"space {space.name}: {summary['total']} configurations, {summary['valid']} valid; checked {summary['checked']} "
-            f"for {arch}: compiled {summary['compiled']}, failed {summary['failed']}, spilling {summary['spilling']} "
-            f"in {elapsed:.1f} s"
+            f"for {arch}: compiled {summary['compiled']}, failed {summary['failed']}, spilling {summary['spilling']}"
+            + (f", wgmma serialized {summary['wgmma_serialized']}" if summary["wgmma_serialized"] else "")
+            + f" in {elapsed:.1f} s"
         )
     return EXIT_OK if not failed else EXIT_FAILED
 

@@ -69,6 +69,11 @@ class StaticReport:
         return self.spill_bytes > 0
 
     @property
+    def wgmma_serialized(self) -> bool:
+        """ptxas made some variant's wgmma synchronous (nothing overlaps the tensor cores' work)."""
+        return any(b.compiled.wgmma_serialized for b in self.builds if b.compiled)
+
+    @property
     def compile_ms(self) -> float:
         return sum(b.compiled.compile_ms for b in self.builds if b.compiled and not b.compiled.cached)
 
@@ -89,6 +94,7 @@ class StaticReport:
             "smem": self.smem,
             "spill_bytes": self.spill_bytes,
             "spilling": self.spilling,
+            "wgmma_serialized": self.wgmma_serialized,
             "compile_ms": round(self.compile_ms, 1),
         }
 
