@@ -36,7 +36,10 @@ PERSISTENT = [
     TMA_SEED.replace(INTRA_WG_OVERLAP=0, PINGPONG=0, STAGES=3, PERSISTENT=1),
     SEEDS[2].replace(LOAD="tma", PERSISTENT=1),                    # three consumer warpgroups, four stages
 ]
-CONFIGS = [c for c in SEEDS + NEIGHBOURS + TMA + PERSISTENT if SPACE.contains(c)]
+# INTRA_WG_OVERLAP=2: P V issued after the row maximum, the exponentials under it
+OVERLAP2 = [c.replace(INTRA_WG_OVERLAP=2) for c in (TMA_SEED, PERSISTENT[0], PERSISTENT[1], SEEDS[3].replace(STAGES=3),
+                                                    TMA_SEED.replace(PINGPONG=0, PERSISTENT=1, BLOCK_N=192), PERSISTENT[3])]
+CONFIGS = [c for c in SEEDS + NEIGHBOURS + TMA + PERSISTENT + OVERLAP2 if SPACE.contains(c)]
 # EXP2_FMA (a template parameter outside the space): some or all softmax exponentials as FMA-unit polynomials
 EXP2_FMA = [TMA_SEED.replace(EXP2_FMA=8), PERSISTENT[0].replace(EXP2_FMA=2), TMA_SEED.replace(BLOCK_N=192, EXP2_FMA=3)]
 # Q_STAGES (the next work tile's Q a tile ahead) and CROSS_TILE (one stream of K/V slots over a persistent
@@ -55,7 +58,7 @@ SHAPES = [(1, 8, 512), (2, 3, 77), (1, 2, 5), (1, 1, 1), (1, 1, 257), (1, 2, 100
 
 
 def test_the_configurations_are_in_the_space() -> None:
-    assert len(SEEDS) >= 4 and len(CONFIGS) == len(SEEDS) + len(NEIGHBOURS) + len(TMA) + len(PERSISTENT) == len(set(CONFIGS))
+    assert len(SEEDS) >= 4 and len(CONFIGS) == len(SEEDS) + len(NEIGHBOURS) + len(TMA) + len(PERSISTENT) + len(OVERLAP2) == len(set(CONFIGS))
 
 
 def _kernel(config: Config, variant: Variant):
