@@ -152,6 +152,39 @@ def test_exp2_fma_moves_its_share_of_the_softmax_exponentials_off_the_mufu(confi
     assert softmax >= config["BLOCK_N"] and mufu[0] - mufu[2] == softmax // 4, mufu
 
 
+def _exponentials_under_each_pv(sass: str) -> list[int]:
+    """For each P V in the SASS (a run of HGMMA reading A from registers), the MUFU.EX2 between its
+    first HGMMA and the warpgroup wait after it: the exponentials that run while it is in flight."""
+    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+    out, i = [], 0
+    while i < len(lines):
+        if re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", lines[i]):
+            j = i
+            while j < len(lines) and "WARPGROUP.DEPBAR" not in lines[j]:
+                j += 1
+            out.append(sum("MUFU.EX2" in line for line in lines[i:j]))
+            i = j
+        i += 1
+    return out
+
+
+@pytest.mark.parametrize("config", [PERSISTENT, SEED.replace(BLOCK_N=192, PINGPONG=0)], ids=Config.short_label)
+@pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False)])
+def test_overlap_2_runs_the_exponentials_while_p_v_is_in_flight(config: Config, head_dim: int, causal: bool) -> None:
+    """INTRA_WG_OVERLAP=2 issues P V after the row maximum: in the SASS the loop's P V has most of
+    the tile's exponentials (BLOCK_N / 2 per thread) between its issue and its wait: all of them at
+    D128, three quarters at D64, whose shorter P V ptxas expects to finish sooner. (With
+    INTRA_WG_OVERLAP=1 ptxas puts the wait before every one of them.)"""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    compiled = compile_source(render("flash_attention", config.replace(INTRA_WG_OVERLAP=2), Variant(head_dim, causal)).source, "sm_90a")
+    assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
+    sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
+    under = max(_exponentials_under_each_pv(sass))
+    assert under >= (config["BLOCK_N"] // 2 if head_dim == 128 else 3 * config["BLOCK_N"] // 8), under
+
+
 def test_exp2_fma_takes_0_to_8() -> None:
     with pytest.raises(RenderError, match="EXP2_FMA_MUST_BE_0_TO_8"):
         render("flash_attention", SEED.replace(EXP2_FMA=9), Variant(64, False))
