@@ -55,9 +55,10 @@ class Config(Mapping[str, ParamValue]):
         ``NAME=value``, in name order. The same configuration always gets the same label.
         On the wgmma path (``wgmma 128x192 st2 r24/240 ovl pp``) WARPS and VEC are unused
         and left out, the consumer warpgroups follow from BLOCK_M, ``pr`` is the producer
-        warpgroup, ``r`` the setmaxnreg pair (producer/consumer, with a producer), ``ovl`` the intra-warpgroup
-        overlap (``ovl2``: INTRA_WG_OVERLAP=2), ``pp`` ping-pong, ``em`` EXP2_FMA (``em2``: 2 of 8 exponentials on the FMA units),
-        ``qs2`` two Q buffers (Q_STAGES) and ``xt`` CROSS_TILE;
+        warpgroup, ``r`` the setmaxnreg pair (producer/consumer, with a producer), ``ovl`` the
+        intra-warpgroup overlap (``ovl2``: INTRA_WG_OVERLAP=2), ``pp`` ping-pong, ``em`` EXP2_FMA
+        (``em2``: 2 of 8 exponentials on the FMA units), ``qs2`` two Q buffers (Q_STAGES) and
+        ``xt`` CROSS_TILE;
         with LOAD=tma (loads by the tensor memory accelerator) the path reads
         ``tma`` (``tma 128x128 st2 r24/240 ovl pp``), which keeps the label as short as its cp.async twin's,
         and ``ptma`` with PERSISTENT=1 as well (``ptma 128x176 st2 r24/240 ovl pp``: persistent CTAs).
