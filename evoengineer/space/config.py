@@ -56,7 +56,7 @@ class Config(Mapping[str, ParamValue]):
         On the wgmma path (``wgmma 128x192 st2 r24/240 ovl pp``) WARPS and VEC are unused
         and left out, the consumer warpgroups follow from BLOCK_M, ``pr`` is the producer
         warpgroup, ``r`` the setmaxnreg pair (producer/consumer, with a producer), ``ovl`` the
-        intra-warpgroup overlap (``ovl2``: INTRA_WG_OVERLAP=2), ``pp`` ping-pong, ``em`` EXP2_FMA
+        intra-warpgroup overlap (``ov2``: INTRA_WG_OVERLAP=2), ``pp`` ping-pong, ``em`` EXP2_FMA
         (``em2``: 2 of 8 exponentials on the FMA units), ``qs2`` two Q buffers (Q_STAGES) and
         ``xt`` CROSS_TILE;
         with LOAD=tma (loads by the tensor memory accelerator) the path reads
@@ -90,6 +90,8 @@ class Config(Mapping[str, ParamValue]):
                 continue
             if neutral == 0 and value in (1, True):  # an on/off switch: its letter alone
                 parts.append(prefix)
+            elif name == "INTRA_WG_OVERLAP":  # ``ov2``: as long as ``ovl``, so labels keep within 32 characters
+                parts.append(f"ov{_text(value)}")
             else:
                 parts.append(f"{prefix}{_text(value)}")
         parts += [f"{name}={_text(value)}" for name, value in sorted(values.items())]
