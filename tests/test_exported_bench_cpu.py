@@ -119,11 +119,10 @@ def test_rows_are_grouped_counted_and_listed(bench) -> None:
 
 
 def test_loop_sizes(bench) -> None:
-    # ~30 ms of device time, --calls where those take at most twice that, whole rotations over the sets
+    # at least --calls, at least ~30 ms of device time, whole rotations over the sets
     assert bench.loop_calls(200, 6.0, 30.0, 50) == 5000
-    assert bench.loop_calls(200, 200.0, 30.0, 1) == 200      # 40 ms: --calls
-    assert bench.loop_calls(200, 1700.0, 30.0, 1) == 36      # a long kernel: 61 ms, not 340
-    assert bench.loop_calls(200, 3000.0, 30.0, 3) == 21
+    assert bench.loop_calls(200, 3000.0, 30.0, 1) == 200
+    assert bench.loop_calls(200, 3000.0, 30.0, 3) == 201
     assert bench.loop_calls(50, 100.0, 10.0, 8) == 104
     assert bench.half_range([10.0, 12.0, 11.0]) == pytest.approx(1.0)
     assert bench.half_range([]) == 0.0
