@@ -52,6 +52,10 @@ CROSS_TILE = [
     TMA_SEED.replace(PINGPONG=0, PERSISTENT=1, Q_STAGES=2, CROSS_TILE=1),
     SEEDS[2].replace(LOAD="tma", PERSISTENT=1, CROSS_TILE=1),
 ]
+# SOFTMAX_PIN (the softmax held before the wait for P V by a store of the row sums): with overlap 1
+# and 2, ping-pong or not, persistent or not, CROSS_TILE, three consumer warpgroups
+PINNED = [c.replace(SOFTMAX_PIN=1) for c in (TMA_SEED, PERSISTENT[0], OVERLAP2[0], OVERLAP2[4], CROSS_TILE[1],
+                                             TMA_SEED.replace(BLOCK_N=176, PINGPONG=0), SEEDS[2].replace(LOAD="tma"))]
 # ... plus 80 heads of 2048 keys: persistent CTAs run ten rounds of work tiles, the last one partial
 # (causal: in reverse, the snake order's odd round)
 SHAPES = [(1, 8, 512), (2, 3, 77), (1, 2, 5), (1, 1, 1), (1, 1, 257), (1, 2, 1000), (1, 2, 2048), (2, 40, 2048)]
@@ -73,7 +77,7 @@ def _kernel(config: Config, variant: Variant):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", CONFIGS + EXP2_FMA + CROSS_TILE, ids=Config.label)
+@pytest.mark.parametrize("config", CONFIGS + EXP2_FMA + CROSS_TILE + PINNED, ids=Config.label)
 def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
     from evoengineer.gpu.evaluate import gate_launcher
 
@@ -86,7 +90,7 @@ def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), PERSISTENT[0], CROSS_TILE[-2]],
+@pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), PERSISTENT[0], CROSS_TILE[-2], PINNED[1]],
                          ids=Config.short_label)
 def test_query_and_key_lengths_may_differ_and_kv_heads_may_be_grouped(config: Config, causal: bool, head_dim: int) -> None:
     import torch
