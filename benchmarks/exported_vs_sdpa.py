@@ -16,25 +16,31 @@ has no kernel for its dtype / head dim, or no grouped-query attention). In it:
   own).
 
 Every measurement rotates over the same input sets, at least twice the L2 in
-all (call i takes set i mod n), so that no call finds its inputs in L2:
+all (call i takes set i mod n), so that no call finds its inputs in L2. evo,
+evo op and sdpa are measured in --rounds interleaved rounds (default 3; the
+order reversed every other round), so that a drift of the GPU's clock under
+sustained load reaches both sides alike; a figure is the median over the
+rounds, and the speedups the targets use are the medians of each round's
+paired speedups. The forced backends (a reference) are measured in round 1:
 
 - device µs: evoengineer's time_graph, the search's own timer: the median of
   CUDA-graph replays of many launches, events around each replay; its spread
   is (p80 - p20) / 2 of those samples;
 - eager µs: wall time per call of back-to-back calls with one synchronize at
-  the end; 5 loops of max(--calls, ~30 ms of device time) calls (whole
-  rotations over the sets), the median loop; spread: (max - min) / 2 of the 5;
+  the end; 2 loops a round of max(--calls, ~30 ms of device time) calls (whole
+  rotations over the sets), the median loop; spread: (max - min) / 2 of the
+  loops of all rounds;
 - overhead = eager - device (> 0 where the host cannot keep the GPU busy);
 - host µs: the CPU time a call takes to return (up to 64 calls on an idle GPU,
   before the synchronize, best of 5); sync µs: a call plus a synchronize
   (latency; the median of max(10, --calls / 4));
 - graph µs: a model step, one call per input set (whole rotations, at least 8
   calls) captured in ONE CUDA graph; the graph replayed back to back, events
-  around the replays; µs per call, the median of 5 samples of >= --calls calls
-  and ~10 ms each;
+  around the replays; µs per call, the median of 2 samples a round of
+  >= --calls calls and ~10 ms each;
 - graph1 µs (JSON, CSV and the ×sdpa line): one call per graph, one graph per
-  input set, the graphs replayed in rotation; µs per call, median of 5 samples
-  as above. Bounded by the graph launch for small kernels (the same few µs a
+  input set, the graphs replayed in rotation; µs per call, median of the
+  samples as above. Bounded by the graph launch for small kernels (the same few µs a
   replay, whoever's call it holds).
 
 Speedups are SDPA's time / ours (> 1: ours faster). The summary at the end
@@ -78,9 +84,11 @@ DTYPES = ("fp16", "bf16")
 BACKENDS = ("flash", "cudnn", "efficient")
 COLUMNS = ("device_us", "device_spread_us", "eager_us", "eager_spread_us", "overhead_us", "host_us", "sync_us",
            "graph_us", "graph1_us")
-EAGER_LOOPS = 5          # eager: loops measured, the median one reported
+ROUNDS = 3               # interleaved rounds of evo, evo op and sdpa (forced backends: the first only)
+PAIRED = ("evo", "evo op", "sdpa")
+EAGER_LOOPS = 2          # eager: loops measured per round, the median one reported
 EAGER_LOOP_MS = 30.0     # each loop at least this much device time (and at least --calls calls)
-GRAPH_SAMPLES = 5        # graph and graph1: samples, the median one reported
+GRAPH_SAMPLES = 2        # graph and graph1: samples per round, the median one reported
 GRAPH_SAMPLE_MS = 10.0   # each sample at least this much device time (and at least --calls calls)
 GRAPH_MIN_CALLS = 8      # calls captured in the graph of a model step, at least
 GRAPH_TOLERANCE = 0.05   # target (c): |graph speedup / device speedup - 1| at most this
@@ -278,6 +286,38 @@ def measure(name: str, fn: Callable[..., Any], sets: list[tuple], calls: int, re
     return row
 
 
+ROUND_FIGURES = ("device_us", "device_spread_us", "eager_us", "overhead_us", "host_us", "sync_us", "graph_us",
+                 "graph1_us")
+
+
+def combine_rounds(impl: str, measured: list[dict]) -> dict:
+    """One row from an implementation's rounds: each figure the median over the rounds (the
+    rounds kept under "rounds"); the eager spread over the loops of all rounds, the device
+    spread the larger of a round's and the rounds' own. A failed round makes the row failed."""
+    failed = next((m for m in measured if m.get("status") != "ok"), None)
+    if failed is not None or len(measured) == 1:
+        return failed or measured[0]
+    row: dict[str, Any] = {"impl": impl, "status": "ok", "rounds": [{c: m[c] for c in ROUND_FIGURES} for m in measured]}
+    for column in ROUND_FIGURES:
+        row[column] = statistics.median(m[column] for m in measured)
+    row["overhead_us"] = row["eager_us"] - row["device_us"]
+    row["eager_loops_us"] = [t for m in measured for t in m["eager_loops_us"]]
+    row["eager_spread_us"] = half_range(row["eager_loops_us"])
+    row["device_spread_us"] = max(row["device_spread_us"], half_range([m["device_us"] for m in measured]))
+    for key in ("eager_calls", "graph_calls", "input_sets"):
+        row[key] = measured[0][key]
+    return row
+
+
+def paired_speedup(ours: dict, sdpa: dict, column: str) -> float:
+    """SDPA's time / ours in ``column``: the median of the rounds' paired ratios where both rows
+    have the same rounds, else the ratio of the two figures."""
+    a, b = ours.get("rounds"), sdpa.get("rounds")
+    if a and b and len(a) == len(b):
+        return statistics.median(s[column] / o[column] for o, s in zip(a, b))
+    return sdpa[column] / ours[column]
+
+
 def max_error(module: Any, sets: list[tuple], causal: bool, gqa: bool) -> float:
     import torch.nn.functional as F
 
@@ -292,7 +332,8 @@ def speedups(rows: list[dict]) -> dict[str, float | None]:
     sdpa = next((r for r in rows if r["impl"] == "sdpa" and r["status"] == "ok"), None)
     if not ours or not sdpa:
         return {}
-    out = {c: sdpa[c] / ours[c] for c in ("device_us", "eager_us", "graph_us", "graph1_us", "host_us") if ours[c] > 0}
+    out = {c: paired_speedup(ours, sdpa, c) for c in ("device_us", "eager_us", "graph_us", "graph1_us", "host_us")
+           if ours[c] > 0}
     out["overhead_evo_us"], out["overhead_sdpa_us"] = ours["overhead_us"], sdpa["overhead_us"]
     return out
 
@@ -330,7 +371,8 @@ def overhead_noise_us(ours: dict, sdpa: dict) -> float:
 
 def target_verdicts(ours: dict, sdpa: dict, tolerance: float = GRAPH_TOLERANCE) -> dict[str, dict]:
     """The three targets on one row, from the evo and sdpa measurements (dicts with device_us,
-    eager_us, graph_us, overhead_us and the spreads):
+    eager_us, graph_us, overhead_us and the spreads; with "rounds", the speedups are the medians of
+    the rounds' paired speedups and (c)'s deviation the median of the rounds' own):
 
     a: eager speedup >= 1 where the device speedup is >= 1 (``applies`` False and ``met`` None
        elsewhere);
@@ -338,14 +380,17 @@ def target_verdicts(ours: dict, sdpa: dict, tolerance: float = GRAPH_TOLERANCE) 
        (verdict ``lower``, ``equal`` or ``higher``; met unless higher);
     c: |graph speedup / device speedup - 1| <= ``tolerance``.
     """
-    device = sdpa["device_us"] / ours["device_us"]
-    eager = sdpa["eager_us"] / ours["eager_us"]
-    graph = sdpa["graph_us"] / ours["graph_us"]
+    device, eager, graph = (paired_speedup(ours, sdpa, c) for c in ("device_us", "eager_us", "graph_us"))
     applies = device >= 1.0
     noise = overhead_noise_us(ours, sdpa)
     difference = ours["overhead_us"] - sdpa["overhead_us"]
     verdict = "lower" if difference < -noise else "equal" if difference <= noise else "higher"
-    deviation = graph / device - 1
+    a_rounds, b_rounds = ours.get("rounds"), sdpa.get("rounds")
+    if a_rounds and b_rounds and len(a_rounds) == len(b_rounds):
+        deviation = statistics.median((s["graph_us"] / o["graph_us"]) / (s["device_us"] / o["device_us"]) - 1
+                                      for o, s in zip(a_rounds, b_rounds))
+    else:
+        deviation = graph / device - 1
     return {
         "a": {"device_speedup": device, "eager_speedup": eager, "applies": applies,
               "met": eager >= 1.0 if applies else None},
@@ -529,7 +574,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", action="append", choices=DTYPES, help="fp16 and/or bf16 (default both)")
     parser.add_argument("--shape", action="append", help="only these shapes (names as listed in SHAPES, repeatable)")
     parser.add_argument("--calls", type=int, default=200, help="calls per eager loop and per graph sample, at least")
-    parser.add_argument("--repetitions", type=int, default=50, help="graph replays per device-time measurement")
+    parser.add_argument("--repetitions", type=int, default=50, help="graph replays per device-time measurement, "
+                        "split over the rounds")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds of evo, evo op and sdpa "
+                        f"(default {ROUNDS})")
     parser.add_argument("--quick", action="store_true", help="fewer calls and repetitions")
     parser.add_argument("--no-backends", action="store_true", help="skip the forced SDPA backend rows")
     parser.add_argument("--launch-paths", action="store_true", help="also time the raw launch calls")
@@ -544,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not (args.module / "kernel.json").exists():
         print(f"error: {args.module}: no kernel.json; give an export directory (evoengineer export ... --out DIR)", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print("error: --rounds: at least 1", file=sys.stderr)
         return 2
     if args.quick:
         args.calls, args.repetitions = min(args.calls, 50), min(args.repetitions, 15)
@@ -577,11 +628,15 @@ def main(argv: list[str] | None = None) -> int:
                 sets = make_inputs(dims, dtype, input_sets_for_cold_l2(set_bytes, True))
                 plan = module.explain(*sets[0], is_causal=causal, enable_gqa=gqa)
                 err = max_error(module, sets, causal, gqa)
-                rows = []
-                for impl, fn in implementations(module, causal, gqa).items():
-                    if args.no_backends and impl.startswith("sdpa "):
-                        continue
-                    rows.append(measure(impl, fn, sets, args.calls, args.repetitions))
+                impls = {k: fn for k, fn in implementations(module, causal, gqa).items()
+                         if not (args.no_backends and k.startswith("sdpa "))}
+                per_round: dict[str, list[dict]] = {k: [] for k in impls}
+                repetitions = max(5, args.repetitions // args.rounds)
+                for r in range(args.rounds):   # evo, evo op and sdpa interleaved; the order reversed every other round
+                    names = [k for k in impls if r == 0 or k in PAIRED]
+                    for impl in names[::-1] if r % 2 else names:
+                        per_round[impl].append(measure(impl, impls[impl], sets, args.calls, repetitions))
+                rows = [combine_rounds(impl, per_round[impl]) for impl in impls]
                 ratio = speedups(rows)
                 print_block(console, f"{title}: {plan['config'][:6]} {plan['short']}", rows, ratio, err)
                 for r in rows:

@@ -126,3 +126,39 @@ def test_loop_sizes(bench) -> None:
     assert bench.loop_calls(50, 100.0, 10.0, 8) == 104
     assert bench.half_range([10.0, 12.0, 11.0]) == pytest.approx(1.0)
     assert bench.half_range([]) == 0.0
+
+
+def a_round(device: float, eager: float, graph: float, *, spread: float = 0.1, loops: tuple = ()) -> dict:
+    return {"impl": "x", "status": "ok", "device_us": device, "device_spread_us": spread, "eager_us": eager,
+            "overhead_us": eager - device, "host_us": 5.0, "sync_us": device + 10, "graph_us": graph,
+            "graph1_us": graph + 1, "eager_loops_us": list(loops or (eager - 0.5, eager + 0.5)), "eager_calls": 200,
+            "graph_calls": 8, "input_sets": 4}
+
+
+def test_rounds_combine_into_medians_and_a_spread_over_them(bench) -> None:
+    rounds = [a_round(10.0, 12.0, 10.0, loops=(11.0, 12.0)), a_round(20.0, 23.0, 21.0, loops=(22.0, 24.0)),
+              a_round(12.0, 14.0, 13.0, spread=0.3, loops=(13.5, 14.5))]
+    row = bench.combine_rounds("evo", rounds)
+    assert (row["device_us"], row["eager_us"], row["graph_us"]) == (12.0, 14.0, 13.0)
+    assert row["overhead_us"] == pytest.approx(2.0) and len(row["rounds"]) == 3
+    assert row["eager_spread_us"] == pytest.approx((24.0 - 11.0) / 2)         # over every loop of every round
+    assert row["device_spread_us"] == pytest.approx((20.0 - 10.0) / 2)        # the rounds' own spread, > 0.1 .. 0.3
+    # one round is a row as measured; a failed round fails the row
+    assert bench.combine_rounds("evo", rounds[:1]) is rounds[0]
+    failed = {"impl": "evo", "status": "unsupported", "reason": "no"}
+    assert bench.combine_rounds("evo", [rounds[0], failed]) is failed
+
+
+def test_speedups_pair_the_rounds(bench) -> None:
+    """The GPU's clock drifts between rounds (10, 20, 30 µs); each round's SDPA is 1.1x ours on
+    the device and in the graph, except round 2's graph (+20 %). Paired per round, (c) holds (the
+    median deviation is 0); the medians of the figures alone would make it +20 %."""
+    ours = bench.combine_rounds("evo", [a_round(t, t + 2, t) for t in (10.0, 20.0, 30.0)])
+    sdpa = bench.combine_rounds("sdpa", [a_round(1.1 * t, 1.1 * t + 2, g) for t, g in ((10.0, 11.0), (20.0, 26.4),
+                                                                                        (30.0, 33.0))])
+    v = bench.target_verdicts(ours, sdpa)
+    assert v["a"]["device_speedup"] == pytest.approx(1.1) and v["c"]["graph_speedup"] == pytest.approx(1.1)
+    assert v["c"]["deviation"] == pytest.approx(0.0) and v["c"]["met"]
+    unpaired = {k: x for k, x in sdpa.items() if k != "rounds"}
+    assert not bench.target_verdicts(ours, unpaired)["c"]["met"]                  # 26.4 / 20 against 22 / 20
+    assert bench.speedups([ours, sdpa])["graph_us"] == pytest.approx(1.1)
