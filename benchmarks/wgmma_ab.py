@@ -31,6 +31,7 @@ from rich.table import Table
 
 from evoengineer.kernels import RenderError, build_config, render
 from evoengineer.space import Case, Config, Variant, load_space, parse_shape
+from evoengineer.space.model import Param
 
 SHAPES = ((4, 16, 2048, 64), (4, 16, 2048, 128), (8, 16, 4096, 128))
 SPACE = load_space("h100")
@@ -42,12 +43,22 @@ NEIGHBOURS = (
 )
 
 
-def ab_space(shapes: list[tuple[int, int, int, int]], timeout_s: float, repetitions: int | None):
-    """The h100 space with these shapes (full and causal) as its cases."""
+def ab_space(shapes: list[tuple[int, int, int, int]], timeout_s: float, repetitions: int | None,
+             found: list[dict[str, Config]] = ()):
+    """The h100 space with these shapes (full and causal) as its cases, and with the template-only
+    parameters the pairs set as parameters of their own (the values they take), so that the
+    evaluator takes the pairs."""
     cases = tuple(Case(b, h, s, d, causal) for b, h, s, d in shapes for causal in (False, True))
     timing = replace(SPACE.timing, timeout_s=timeout_s, flush_l2=True,
                      repetitions=repetitions or SPACE.timing.repetitions)
-    return replace(SPACE, cases=cases, timing=timing)
+    extra = {}
+    for pair in found:
+        for config in pair.values():
+            for name in TEMPLATE_ONLY:
+                if name in config and name not in SPACE.param_names:
+                    extra.setdefault(name, []).append(config[name])
+    params = SPACE.params + tuple(Param(name, tuple(dict.fromkeys(values))) for name, values in extra.items())
+    return replace(SPACE, cases=cases, timing=timing, params=params)
 
 
 def parse_param(text: str) -> tuple[str, tuple]:
@@ -209,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(highlight=False, width=160)
     shapes = [parse_shape(s) for s in args.shape] or list(SHAPES)
-    space = ab_space(shapes, args.timeout, args.repetitions)
     param = parse_param(args.param)
     found = pairs(args.config, param)
+    space = ab_space(shapes, args.timeout, args.repetitions, found)
     if args.compile_only:
         out = compile_only(space, found, console)
         ok = out["ok"]

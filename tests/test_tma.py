@@ -427,3 +427,64 @@ def test_the_ab_script_pairs_another_parameter(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "wgmma_ab.py"),
                           "--compile-only", "--param", "PERSISTENT=1", "--json", str(out)], capture_output=True, text=True)
     assert bad.returncode != 0 and "expected NAME=A,B" in bad.stderr
+
+
+def test_the_ab_space_takes_template_only_pairs() -> None:
+    """A pair of a template-only parameter (outside the h100 space) is in the A/B's space, so the
+    evaluator times it rather than calling it invalid; the space's own parameters are unchanged."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import wgmma_ab
+
+    found = wgmma_ab.pairs(["PERSISTENT=1", "PERSISTENT=1,INTRA_WG_OVERLAP=2"], wgmma_ab.parse_param("SOFTMAX_PIN=0,1"))
+    space = wgmma_ab.ab_space(list(wgmma_ab.SHAPES), 60.0, None, found)
+    assert space.param_names == SPACE.param_names + ("SOFTMAX_PIN",) and space.param("SOFTMAX_PIN").values == (0, 1)
+    assert all(space.contains(c) for pair in found for c in pair.values()) and len(found) == 3
+    assert not any(SPACE.contains(c) for pair in found for c in pair.values())
+    plain = wgmma_ab.ab_space(list(wgmma_ab.SHAPES), 60.0, None, wgmma_ab.pairs([]))
+    assert plain.param_names == SPACE.param_names
+
+
+def _exponentials_before_the_pv_wait(sass: str) -> list[int]:
+    """For each P V in the SASS (HGMMA reading A from registers) followed by a wait that leaves one
+    group in flight (Q K^T's: INTRA_WG_OVERLAP=1), the MUFU.EX2 between that wait and the full one."""
+    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+    out, i = [], 0
+    while i < len(lines):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in lines[i]:
+            j = i + 1
+            while j < len(lines) and "WARPGROUP.DEPBAR" not in lines[j]:
+                j += 1
+            out.append(sum("MUFU.EX2" in line for line in lines[i:j]))
+            i = j
+        i += 1
+    return out
+
+
+@pytest.mark.parametrize("config", [SEED, PERSISTENT.replace(BLOCK_N=192, PINGPONG=0), PERSISTENT.replace(CROSS_TILE=1)],
+                         ids=Config.short_label)
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True)])
+def test_softmax_pin_keeps_the_softmax_before_the_wait_for_p_v(config: Config, head_dim: int, causal: bool) -> None:
+    """INTRA_WG_OVERLAP=1 waits for Q K^T (one group left: P V), runs the softmax, then waits for P V.
+    ptxas moves that last wait above every exponential; SOFTMAX_PIN=1 (a store of the row sums
+    before it) keeps all of the tile's exponentials (BLOCK_N / 2 per thread, and the two rescales)
+    between the two waits."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    under = {}
+    for pin in (0, 1):
+        compiled = compile_source(render("flash_attention", config.replace(SOFTMAX_PIN=pin), Variant(head_dim, causal)).source,
+                                  "sm_90a")
+        assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
+        sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
+        under[pin] = _exponentials_before_the_pv_wait(sass)
+    assert under[0] and max(under[0]) == 0, under
+    assert under[1] and min(under[1]) >= config["BLOCK_N"] // 2 + 2, under
+
+
+def test_softmax_pin_needs_overlap_and_mbarriers() -> None:
+    with pytest.raises(RenderError, match="SOFTMAX_PIN_REQUIRES"):
+        render("flash_attention", SEED.replace(INTRA_WG_OVERLAP=0, SOFTMAX_PIN=1), Variant(64, False))
+    with pytest.raises(RenderError, match="SOFTMAX_PIN_REQUIRES"):
+        render("flash_attention", NO_PRODUCER.replace(LOAD="cpasync", INTRA_WG_OVERLAP=1, SOFTMAX_PIN=1), Variant(64, False))
+    assert "st.shared.v2.f32" in render("flash_attention", SEED.replace(SOFTMAX_PIN=1), Variant(64, False)).source
