@@ -51,7 +51,7 @@ def ab_space(shapes: list[tuple[int, int, int, int]], timeout_s: float, repetiti
     cases = tuple(Case(b, h, s, d, causal) for b, h, s, d in shapes for causal in (False, True))
     timing = replace(SPACE.timing, timeout_s=timeout_s, flush_l2=True,
                      repetitions=repetitions or SPACE.timing.repetitions)
-    extra = {}
+    extra: dict[str, list] = {}
     for pair in found:
         for config in pair.values():
             for name in TEMPLATE_ONLY:
@@ -71,7 +71,8 @@ def parse_param(text: str) -> tuple[str, tuple]:
 
 
 # wgmma template parameters measured here and left out of the space (docs/performance.md)
-TEMPLATE_ONLY = ("EXP2_FMA", "CROSS_TILE", "Q_STAGES", "SOFTMAX_PIN")
+# and their template defaults
+TEMPLATE_ONLY = {"EXP2_FMA": 0, "CROSS_TILE": 0, "Q_STAGES": 1, "SOFTMAX_PIN": 0}
 
 
 def _in_space(config: Config) -> Config:
@@ -108,7 +109,10 @@ def pairs(extra: list[str], param: tuple[str, tuple] = ("LOAD", ("cpasync", "tma
             raise SystemExit(refused[0])
         if pair not in found:
             found.append(pair)
-    return found
+    # a template-only parameter set in one pair is set in all, at its default where not given
+    used = {name for pair in found for c in pair.values() for name in c if name in TEMPLATE_ONLY}
+    return [{value: c.replace(**{name: c[name] if name in c else TEMPLATE_ONLY[name] for name in used})
+             for value, c in pair.items()} for pair in found]
 
 
 def compile_only(space, found: list[dict[str, Config]], console: Console) -> dict:

@@ -435,10 +435,17 @@ def test_the_ab_space_takes_template_only_pairs() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import wgmma_ab
 
-    found = wgmma_ab.pairs(["PERSISTENT=1", "PERSISTENT=1,INTRA_WG_OVERLAP=2"], wgmma_ab.parse_param("SOFTMAX_PIN=0,1"))
+    found = wgmma_ab.pairs(["PERSISTENT=1", "PERSISTENT=1,INTRA_WG_OVERLAP=2", "PERSISTENT=1,CROSS_TILE=1"],
+                           wgmma_ab.parse_param("SOFTMAX_PIN=0,1"))
     space = wgmma_ab.ab_space(list(wgmma_ab.SHAPES), 60.0, None, found)
-    assert space.param_names == SPACE.param_names + ("SOFTMAX_PIN",) and space.param("SOFTMAX_PIN").values == (0, 1)
-    assert all(space.contains(c) for pair in found for c in pair.values()) and len(found) == 3
+    assert space.param_names[:len(SPACE.param_names)] == SPACE.param_names
+    assert sorted(space.param_names[len(SPACE.param_names):]) == ["CROSS_TILE", "SOFTMAX_PIN"]
+    assert space.param("SOFTMAX_PIN").values == (0, 1) and space.param("CROSS_TILE").values == (0, 1)
+    assert all(space.contains(c) for pair in found for c in pair.values()) and len(found) == 4
+    # CROSS_TILE, set in one pair, is at its default (0) in the others: their labels do not change
+    assert [pair["1"].short_label() for pair in found] == [
+        "tma 128x128 st2 r24/240 ovl pp pin", "ptma 128x128 st2 r24/240 ovl pp pin", "ptma 128x128 st2 r24/240 ov2 pp pin",
+        "ptma 128x128 st2 r24/240 ovl pp xt pin"]
     assert not any(SPACE.contains(c) for pair in found for c in pair.values())
     plain = wgmma_ab.ab_space(list(wgmma_ab.SHAPES), 60.0, None, wgmma_ab.pairs([]))
     assert plain.param_names == SPACE.param_names
