@@ -17,21 +17,29 @@ configuration with the shortest recorded time on that shape (searches restricted
 Beside SDPA's four backends forced one at a time, the same harness times SDPA as a user
 calls it (``default``: torch's own backend choice; cuDNN on Hopper) and, when it is
 installed, flash-attn-4 (``fa4``). ``/bar`` is the ratio to the faster of cuDNN and fa4.
+
+Then, with --rounds N (default 3), each shape's winners of the --retime-paths (default mma and
+wgmma) are timed again, N rounds interleaved with SDPA's backends and the peers (the order
+reversed every other round), so that a drift of the GPU's clock over the run reaches every
+side alike. That second table gives per shape the median of the rounds, and ÷cuDNN and ÷bar
+as the medians of the rounds' paired ratios: the figures to quote.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from evoengineer.gpu import REFERENCE_CALLS, SDPA_BACKENDS, EvalResult, Evaluator, fastest_sdpa
-from evoengineer.kernels import arch_for_device
+from evoengineer.kernels import StaticReport, arch_for_device
 from evoengineer.space import Case, Config, load_space, parse_shape
 
 HAND_PICKED = [  # per-regime winners of h100 searches (NVIDIA H100)
@@ -63,6 +71,34 @@ def case_time(result: EvalResult, label: str) -> dict | None:
     return next((c for c in result.cases if c["label"] == label and c.get("time")), None)
 
 
+def paired_median(ours: list[float], theirs: list[float]) -> float:
+    """The median of the rounds' ratios ours / theirs (round i against round i)."""
+    return statistics.median(a / b for a, b in zip(ours, theirs))
+
+
+def retime_winners(winners: dict[str, dict[str, tuple[Evaluator, StaticReport]]], cases: list[Case],
+                   references: tuple[str, ...], rounds: int, main_ev: Evaluator) -> dict[str, dict[str, list[dict]]]:
+    """label -> name (a path or a reference) -> one timing per round (us, tflops), the winners and
+    the references interleaved per shape, references first in even rounds and last in odd ones."""
+    timing = {**main_ev.timing, "precision": 0.0}
+    samples: dict[str, dict[str, list[dict]]] = {}
+    for r in range(rounds):
+        for case in cases:
+            label = case.label()
+            got = samples.setdefault(label, {})
+            steps: list[tuple[str, Any]] = [("", None), *winners.get(label, {}).items()]
+            for name, item in steps if r % 2 == 0 else steps[::-1]:
+                if not name:
+                    answers = main_ev.time_references(case, references, timing)
+                else:
+                    evaluator, report = item
+                    answers = {name: evaluator.time_case(report, case, timing)}
+                for who, answer in answers.items():
+                    if answer.get("status") == "ok":
+                        got.setdefault(who, []).append({"us": answer["time"]["median_us"], "tflops": answer["tflops"]})
+    return samples
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--space", default="h100")
@@ -76,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", action="append", default=[], metavar="B,H,S,D",
                         help="also measure this shape, full and causal (repeatable), e.g. 8,16,4096,128; "
                              "B,H,S/S_KV,D for a K/V length other than S, e.g. 8,32,1/4096,128 (decode)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="re-time each shape's winners interleaved with the references this many rounds (0: no)")
+    parser.add_argument("--retime-paths", default="mma,wgmma", help="the paths whose winners are re-timed (default mma,wgmma)")
     args = parser.parse_args(argv)
 
     space = load_space(args.space)
@@ -156,6 +195,59 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(label, *cells)
         rows.append(row)
     console.print(table)
+    retimed: dict[str, Any] = {}
+    if args.rounds > 0:
+        wanted = [p for p in args.retime_paths.split(",") if p in paths]
+        winners: dict[str, dict[str, tuple[Evaluator, StaticReport]]] = {}
+        reports: dict[str, tuple[Evaluator, StaticReport]] = {}
+        with ExitStack() as stack:
+            evaluators.clear()
+            main_ev = evaluator_for(0)
+            for row in rows:
+                for p in wanted:
+                    if p in row:
+                        config = Config(row[p]["config"])
+                        if config.key() not in reports:
+                            ev = evaluator_for(next((i for i, sp in enumerate(spaces) if sp.contains(config)), 0))
+                            reports[config.key()] = (ev, ev.build(config))
+                        winners.setdefault(row["shape"], {})[p] = reports[config.key()]
+            references = tuple(b for b in SDPA_BACKENDS if b in ("cudnn", "flash")) + peers
+            console.print(f"re-timing {len(reports)} winners, {args.rounds} rounds interleaved with "
+                          f"{', '.join(references)}", style="dim")
+            samples = retime_winners(winners, list(space.cases), references, args.rounds, main_ev)
+        table = Table(title=f"re-timed: {args.rounds} rounds interleaved; µs the median of the rounds; ÷ the median of "
+                            f"the rounds' paired ratios (< 1 is faster); bar = min(cuDNN, fa4) per round")
+        table.add_column("shape")
+        refs = [b for b in ("cudnn", "default", "fa4", "flash") if any(b in got for got in samples.values())]
+        for b in refs:
+            table.add_column(b, justify="right")
+        for p in wanted:
+            table.add_column(f"{p} µs | TF/s", justify="right")
+            table.add_column(f"{p} ÷cudnn ÷bar", justify="right")
+        for case in space.cases:
+            label = case.label()
+            got = samples.get(label, {})
+            us = {who: [x["us"] for x in xs] for who, xs in got.items()}
+            n = min((len(v) for v in us.values()), default=0)
+            bars = [min(us[b][i] for b in ("cudnn", "fa4") if b in us) for i in range(n)] if "cudnn" in us or "fa4" in us else []
+            entry: dict[str, Any] = {who: {"us": statistics.median(v), "rounds": v} for who, v in us.items()}
+            cells = [f"{statistics.median(us[b]):.1f}" if b in us else "-" for b in refs]
+            for p in wanted:
+                if p not in us:
+                    cells += ["-", "-"]
+                    continue
+                tf = statistics.median(x["tflops"] for x in got[p])
+                entry[p].update(tflops=tf, config=winners[label][p][1].config.to_dict(),
+                                ratio_cudnn=paired_median(us[p][:n], us["cudnn"][:n]) if "cudnn" in us else None,
+                                ratio_bar=paired_median(us[p][:n], bars) if bars else None)
+                cells += [f"{statistics.median(us[p]):.1f} | {tf:.0f}",
+                          " ".join("-" if x is None else f"{x:.2f}" for x in (entry[p]["ratio_cudnn"], entry[p]["ratio_bar"]))]
+            table.add_row(label, *cells)
+            retimed[label] = entry
+        console.print(table)
+        for label, per in winners.items():
+            for p, (_, report) in per.items():
+                console.print(f"  {label} {p}: {report.config.short_label()}", style="dim")
     for b in SDPA_BACKENDS + peers:
         reasons = {rows.get(b, {}).get("reason") for rows in baseline.values() if rows.get(b, {}).get("status") != "ok"}
         if reasons - {None}:
@@ -167,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"registers {r.resources.get('registers')}, smem {r.resources.get('smem')}, "
                       f"spills {r.resources.get('spill_bytes')}  gate max abs err {err}")
     if args.json:
-        args.json.write_text(json.dumps({"gpu": info, "space": space.name, "baseline": baseline, "rows": rows,
+        args.json.write_text(json.dumps({"gpu": info, "space": space.name, "baseline": baseline, "rows": rows, "retimed": retimed,
                                          "results": [r.to_json() for r in results]}, indent=1))
     return 0 if all(r.ok for r in results) else 1
 

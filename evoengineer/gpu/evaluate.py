@@ -542,14 +542,25 @@ class Evaluator:
         others = [c for c in cases if c["label"] not in {t["label"] for t in timed}]
         return EvalResult(**base, status="ok", resources=resources, cases=timed + others, objective_us=objective)
 
+    def time_case(self, report: StaticReport, case: Case, timing: dict | None = None) -> dict:
+        """One timing of a compiled configuration on one case, no gate: the worker's answer
+        (status, and time and tflops when ok). ``timing`` replaces the space's protocol."""
+        build = report.build(case.variant)
+        job = {"kind": "time", "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, "case": case,
+               "timing": timing or self.timing, "key": report.config.key(), "seed": self.seed, "scale": self.space.scale,
+               **_tolerance(self.space, case.dtype)}
+        return self._run(job, self.space.timing.timeout_s * 2)
+
+    def time_references(self, case: Case, backends: Sequence[str] = SDPA_BACKENDS, timing: dict | None = None) -> dict[str, dict]:
+        """SDPA's backends (and reference calls) on one case: backend -> {status, time, tflops} or reason."""
+        job = {"kind": "sdpa", "case": case, "backends": list(backends), "timing": timing or self.timing, "seed": self.seed,
+               "scale": self.space.scale}
+        answer = self._run(job, max(120.0, self.space.timing.timeout_s * len(backends) * 3))
+        return answer.get("backends", {b: {"status": answer["status"], "reason": answer.get("reason", "")} for b in backends})
+
     def baseline(self, backends: Sequence[str] = SDPA_BACKENDS, cases: Sequence[Case] | None = None) -> dict[str, dict]:
         """SDPA backends on every case: label -> backend -> {status, time, tflops} or reason."""
-        out = {}
-        for case in cases or self.space.cases:
-            job = {"kind": "sdpa", "case": case, "backends": list(backends), "timing": self.timing, "seed": self.seed, "scale": self.space.scale}
-            answer = self._run(job, max(60.0, self.space.timing.timeout_s * len(backends) * 3))
-            out[case.label()] = answer.get("backends", {b: {"status": answer["status"], "reason": answer.get("reason", "")} for b in backends})
-        return out
+        return {case.label(): self.time_references(case, backends) for case in cases or self.space.cases}
 
 
 def _tolerance(space: Space, dtype: str) -> dict[str, float]:
@@ -581,24 +592,18 @@ def retime(evaluator: Evaluator, reports: Sequence[StaticReport], rounds: int = 
     samples: dict[str, dict[str, list[float]]] = {r.config.key(): {} for r in reports}
     sdpa_samples: dict[str, dict[str, list[float]]] = {}
     failures: dict[str, str] = {}
-    common = {"seed": evaluator.seed, "scale": space.scale}
     for _ in range(rounds):
         for case in space.cases:
             for report in reports:
                 key = report.config.key()
                 if key in failures:
                     continue
-                build = report.build(case.variant)
-                job = {"kind": "time", "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, "case": case,
-                       "timing": timing, "key": key, **common, **_tolerance(space, case.dtype)}
-                answer = evaluator._run(job, space.timing.timeout_s * 2)
+                answer = evaluator.time_case(report, case, timing)
                 if answer["status"] != "ok":
                     failures[key] = answer.get("reason", answer["status"])
                     continue
                 samples[key].setdefault(case.label(), []).append(answer["time"]["median_us"])
-            sdpa = evaluator._run({"kind": "sdpa", "case": case, "backends": list(SDPA_BACKENDS), "timing": timing,
-                                   "seed": evaluator.seed, "scale": space.scale}, 120.0)
-            for backend, row in sdpa.get("backends", {}).items():
+            for backend, row in evaluator.time_references(case, SDPA_BACKENDS, timing).items():
                 if row.get("status") == "ok":
                     sdpa_samples.setdefault(case.label(), {}).setdefault(backend, []).append(row["time"]["median_us"])
 
