@@ -432,8 +432,11 @@ def test_the_ab_script_pairs_another_parameter(tmp_path: Path) -> None:
 def test_the_ab_space_takes_template_only_pairs() -> None:
     """A pair of a template-only parameter (outside the h100 space) is in the A/B's space, so the
     evaluator times it rather than calling it invalid; the space's own parameters are unchanged."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import wgmma_ab
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("wgmma_ab", Path(__file__).resolve().parent.parent / "benchmarks" / "wgmma_ab.py")
+    wgmma_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wgmma_ab)
 
     found = wgmma_ab.pairs(["PERSISTENT=1", "PERSISTENT=1,INTRA_WG_OVERLAP=2", "PERSISTENT=1,CROSS_TILE=1"],
                            wgmma_ab.parse_param("SOFTMAX_PIN=0,1"))
