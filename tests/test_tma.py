@@ -498,3 +498,28 @@ def test_softmax_pin_needs_overlap_and_mbarriers() -> None:
     with pytest.raises(RenderError, match="SOFTMAX_PIN_REQUIRES"):
         render("flash_attention", NO_PRODUCER.replace(LOAD="cpasync", INTRA_WG_OVERLAP=1, SOFTMAX_PIN=1), Variant(64, False))
     assert "st.shared.v2.f32" in render("flash_attention", SEED.replace(SOFTMAX_PIN=1), Variant(64, False)).source
+
+
+@pytest.mark.parametrize("config", [SEED, PERSISTENT.replace(PINGPONG=0), NO_PRODUCER, PERSISTENT.replace(CROSS_TILE=1)],
+                         ids=Config.short_label)
+def test_lazy_rescale_puts_the_rescale_of_o_behind_a_warp_vote(config: Config) -> None:
+    """LAZY_RESCALE=1 keeps a row's maximum unless a tile's exceeds it by more than 2^8, and a warp
+    rescales its O accumulators only when one of its rows moved: one VOTE.ANY in the SASS, the same
+    registers and no spills or serialized wgmma."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    votes, registers = {}, {}
+    for lazy in (0, 1):
+        rendered = render("flash_attention", config.replace(LAZY_RESCALE=lazy), Variant(128, True))
+        assert ("RESCALE_SLACK" in rendered.source) and (("LAZY_RESCALE = true" in rendered.source) == bool(lazy))
+        compiled = compile_source(rendered.source, "sm_90a")
+        assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
+        sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
+        votes[lazy] = sass.count("VOTE.ANY")
+        registers[lazy] = compiled.kernels["attn_fwd"].registers
+    assert votes[0] == 0 and votes[1] >= 1, votes
+    assert registers[0] == registers[1]
+    with pytest.raises(RenderError, match="LAZY_RESCALE_MUST_BE_0_OR_1"):
+        render("flash_attention", SEED.replace(LAZY_RESCALE=2), Variant(64, False))
+    assert SEED.replace(LAZY_RESCALE=1).short_label().endswith(" lz")

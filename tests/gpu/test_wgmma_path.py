@@ -56,6 +56,10 @@ CROSS_TILE = [
 # and 2, ping-pong or not, persistent or not, CROSS_TILE, three consumer warpgroups
 PINNED = [c.replace(SOFTMAX_PIN=1) for c in (TMA_SEED, PERSISTENT[0], OVERLAP2[0], OVERLAP2[4], CROSS_TILE[1],
                                              TMA_SEED.replace(BLOCK_N=176, PINGPONG=0), SEEDS[2].replace(LOAD="tma"))]
+# LAZY_RESCALE (a row's maximum moves only by more than 2^8; warps whose rows kept theirs skip the rescale
+# of O): ping-pong or not, persistent, overlap 2, CROSS_TILE, no producer, three consumer warpgroups
+LAZY = [c.replace(LAZY_RESCALE=1) for c in (TMA_SEED, PERSISTENT[0], OVERLAP2[1], CROSS_TILE[1], NEIGHBOURS[1],
+                                            SEEDS[2].replace(LOAD="tma"))]
 # ... plus 80 heads of 2048 keys: persistent CTAs run ten rounds of work tiles, the last one partial
 # (causal: in reverse, the snake order's odd round)
 SHAPES = [(1, 8, 512), (2, 3, 77), (1, 2, 5), (1, 1, 1), (1, 1, 257), (1, 2, 1000), (1, 2, 2048), (2, 40, 2048)]
@@ -77,7 +81,7 @@ def _kernel(config: Config, variant: Variant):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", CONFIGS + EXP2_FMA + CROSS_TILE + PINNED, ids=Config.label)
+@pytest.mark.parametrize("config", CONFIGS + EXP2_FMA + CROSS_TILE + PINNED + LAZY, ids=Config.label)
 def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
     from evoengineer.gpu.evaluate import gate_launcher
 
@@ -86,6 +90,29 @@ def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None
         case = Case(batch, heads, seq, head_dim, causal)
         result = gate_launcher(kernel, case, None, 2e-2, 2e-2, seed=seq, trials=1)
         assert result.status == "ok", f"{case.label()}: {result.reason}"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("config", [TMA_SEED, LAZY[0], LAZY[1], LAZY[2], LAZY[3]], ids=Config.short_label)
+def test_a_row_maximum_that_keeps_growing_is_followed(config: Config, causal: bool, head_dim: int) -> None:
+    """Scores that rise along the keys by about 90 (log2 units) over a row, so its maximum moves past
+    LAZY_RESCALE's slack of 2^8 tile after tile, and O is rescaled many times; against fp32 SDPA."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(head_dim + causal)
+    for batch, heads, seq in ((1, 4, 1000), (2, 2, 2048), (1, 1, 77)):
+        shape = (batch, heads, seq, head_dim)
+        q = (0.1 + 0.05 * torch.randn(shape, device="cuda")).half()
+        ramp = torch.linspace(0, 60 / (0.1 * head_dim ** 0.5), seq, device="cuda").view(1, 1, seq, 1)
+        k = (ramp + 0.5 * torch.randn(shape, device="cuda")).half()
+        v = torch.randn(shape, device="cuda").half()
+        out = torch.full_like(q, float("nan"))
+        _kernel(config, Variant(head_dim, causal))(q, k, v, out)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+        err = (out.float() - ref).abs().max().item()
+        assert err < 2e-2, f"B{batch} H{heads} S{seq}: max error {err}"
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
