@@ -523,3 +523,28 @@ def test_lazy_rescale_puts_the_rescale_of_o_behind_a_warp_vote(config: Config) -
     with pytest.raises(RenderError, match="LAZY_RESCALE_MUST_BE_0_OR_1"):
         render("flash_attention", SEED.replace(LAZY_RESCALE=2), Variant(64, False))
     assert SEED.replace(LAZY_RESCALE=1).short_label().endswith(" lz")
+
+
+@pytest.mark.parametrize("config", [PERSISTENT, PERSISTENT.replace(PINGPONG=0, CROSS_TILE=1)], ids=Config.short_label)
+def test_o_tma_stores_o_through_shared_memory_by_a_fourth_map(config: Config) -> None:
+    """O_TMA=1 declares tm_o over the output (box 64 x 64, after tm_q, tm_k, tm_v, as the kernel takes
+    them), adds the O buffer to the shared memory, and the SASS stores O with UTMASTG from shared
+    memory (STS) instead of STG.E from registers."""
+    tool = _nvdisasm()
+    stores = {}
+    for o_tma in (0, 1):
+        rendered = render("flash_attention", config.replace(O_TMA=o_tma), Variant(128, False))
+        assert [m.arg for m in rendered.tensor_maps] == ["tm_q", "tm_k", "tm_v"] + ["tm_o"] * o_tma
+        assert [kind for _, kind in rendered.arguments][-4:] == ["f32"] * (1 - o_tma) + ["tmap"] * (3 + o_tma)
+        stores[o_tma] = rendered.launches[0].smem
+        if o_tma:
+            assert rendered.tensor_maps[3] == TensorMapArg("tm_o", "out", (64, 64), 128)
+        compiled = compile_source(rendered.source, "sm_90a")
+        assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
+        if tool is not None:
+            sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
+            assert ("UTMASTG" in sass) == bool(o_tma) and ("STG.E" in sass) != bool(o_tma)
+    assert stores[1] - stores[0] == 2 * 128 * 128   # a 128 x 128 fp16 O tile
+    with pytest.raises(RenderError, match="O_TMA_REQUIRES_PERSISTENT"):
+        render("flash_attention", SEED.replace(O_TMA=1), Variant(64, False))
+    assert PERSISTENT.replace(O_TMA=1).short_label().endswith(" ot")

@@ -60,6 +60,10 @@ PINNED = [c.replace(SOFTMAX_PIN=1) for c in (TMA_SEED, PERSISTENT[0], OVERLAP2[0
 # of O): ping-pong or not, persistent, overlap 2, CROSS_TILE, no producer, three consumer warpgroups
 LAZY = [c.replace(LAZY_RESCALE=1) for c in (TMA_SEED, PERSISTENT[0], OVERLAP2[1], CROSS_TILE[1], NEIGHBOURS[1],
                                             SEEDS[2].replace(LOAD="tma"))]
+# O_TMA (O through shared memory and a TMA store): ping-pong or not, CROSS_TILE, overlap 2, lazy rescale,
+# three consumer warpgroups
+O_TMA = [c.replace(O_TMA=1) for c in (PERSISTENT[0], TMA_SEED.replace(PINGPONG=0, PERSISTENT=1), CROSS_TILE[1], OVERLAP2[1],
+                                      LAZY[1], PERSISTENT[3])]
 # ... plus 80 heads of 2048 keys: persistent CTAs run ten rounds of work tiles, the last one partial
 # (causal: in reverse, the snake order's odd round)
 SHAPES = [(1, 8, 512), (2, 3, 77), (1, 2, 5), (1, 1, 1), (1, 1, 257), (1, 2, 1000), (1, 2, 2048), (2, 40, 2048)]
@@ -81,7 +85,7 @@ def _kernel(config: Config, variant: Variant):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", CONFIGS + EXP2_FMA + CROSS_TILE + PINNED + LAZY, ids=Config.label)
+@pytest.mark.parametrize("config", CONFIGS + EXP2_FMA + CROSS_TILE + PINNED + LAZY + O_TMA, ids=Config.label)
 def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
     from evoengineer.gpu.evaluate import gate_launcher
 
@@ -117,7 +121,8 @@ def test_a_row_maximum_that_keeps_growing_is_followed(config: Config, causal: bo
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), PERSISTENT[0], CROSS_TILE[-2], PINNED[1]],
+@pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), PERSISTENT[0], CROSS_TILE[-2], PINNED[1],
+                                    O_TMA[0], O_TMA[2]],
                          ids=Config.short_label)
 def test_query_and_key_lengths_may_differ_and_kv_heads_may_be_grouped(config: Config, causal: bool, head_dim: int) -> None:
     import torch
@@ -133,11 +138,12 @@ def test_query_and_key_lengths_may_differ_and_kv_heads_may_be_grouped(config: Co
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2, msg=f"S_q {seq_q} S_k {seq_k} H_kv {heads_kv}")
 
 
-@pytest.mark.parametrize("config", [TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma")], ids=Config.short_label)
+@pytest.mark.parametrize("config", [TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), O_TMA[1]], ids=Config.short_label)
 def test_tma_reads_views_by_their_strides_and_nothing_past_the_sequence(config: Config) -> None:
     """Tensor maps follow each tensor's strides: (B, S, H, D) storage viewed as (B, H, S, D), a
     K/V cache longer than the keys used (NaN past them: a read beyond S_k would poison the
-    output), a batch of one with odd strides; and new tensors each call (maps re-encoded)."""
+    output), a batch of one with odd strides; and new tensors each call (maps re-encoded). With O_TMA the
+    output is written through a map too: rows past S_q of the NaN-filled output must stay NaN."""
     import torch
     import torch.nn.functional as F
 
@@ -150,9 +156,12 @@ def test_tma_reads_views_by_their_strides_and_nothing_past_the_sequence(config: 
             cache_v[:, :, :seq_k].normal_()
             k, v = cache_k[:, :, :seq_k], cache_v[:, :, :seq_k]
             out = torch.full((2, 8, seq_q, 128), float("nan"), device="cuda", dtype=torch.float16)
+            rows = torch.full((2, 8, seq_q + 64, 128), float("nan"), device="cuda", dtype=torch.float16)
+            out = rows[:, :, :seq_q] if config.to_dict().get("O_TMA") else out   # a view whose next rows are NaN
             kernel(q, k, v, out)
             ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=True)
             torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2, msg=f"causal {causal} S_q {seq_q} S_k {seq_k}")
+            assert rows[:, :, seq_q:].isnan().all() or not config.to_dict().get("O_TMA")
         one = torch.randn(1, 1, 333, 128, device="cuda", dtype=torch.float16).as_strided((1, 1, 333, 128), (8, 0, 128, 1))
         out = torch.empty_like(one)
         kernel(one, one, one, out)
@@ -172,7 +181,7 @@ def test_a_tma_kernel_refuses_tensors_its_maps_cannot_describe() -> None:
         kernel(q, k, k, torch.empty_like(q))
 
 
-@pytest.mark.parametrize("best", [SEEDS[0], TMA_SEED, PERSISTENT[0]], ids=Config.short_label)
+@pytest.mark.parametrize("best", [SEEDS[0], TMA_SEED, PERSISTENT[0], O_TMA[1]], ids=Config.short_label)
 def test_an_exported_wgmma_configuration_runs_through_the_module(tmp_path: Path, best: Config) -> None:
     import torch
     import torch.nn.functional as F
