@@ -18,16 +18,20 @@ has no kernel for its dtype / head dim, or no grouped-query attention). In it:
 Every measurement rotates over the same input sets, at least twice the L2 in
 all (call i takes set i mod n), so that no call finds its inputs in L2. evo,
 evo op and sdpa are measured in --rounds interleaved rounds (default 3; the
-order reversed every other round), so that a drift of the GPU's clock under
-sustained load reaches both sides alike; a figure is the median over the
+order reversed every other round), after a heat-up (~300 ms of their calls in
+turn, so that round 1 starts as warm as the others). A round goes column by
+column: the device time of each, then the eager loops of each, then the graphs
+of each, so that the figures a ratio pairs are measured one right after the
+other and a drift of the GPU's clock reaches both sides alike. A figure is the median over the
 rounds, and the speedups the targets use are the medians of each round's
-paired speedups. The forced backends (a reference) are measured in round 1:
+paired speedups. The forced backends (a reference) are measured once each,
+after the rounds:
 
 - device µs: evoengineer's time_graph, the search's own timer: the median of
   CUDA-graph replays of many launches, events around each replay; its spread
   is (p80 - p20) / 2 of those samples;
 - eager µs: wall time per call of back-to-back calls with one synchronize at
-  the end; 2 loops a round of max(--calls, ~30 ms of device time) calls (whole
+  the end; 3 loops a round of max(--calls, ~30 ms of device time) calls (whole
   rotations over the sets), the median loop; spread: (max - min) / 2 of the
   loops of all rounds;
 - overhead = eager - device (> 0 where the host cannot keep the GPU busy);
@@ -84,9 +88,11 @@ DTYPES = ("fp16", "bf16")
 BACKENDS = ("flash", "cudnn", "efficient")
 COLUMNS = ("device_us", "device_spread_us", "eager_us", "eager_spread_us", "overhead_us", "host_us", "sync_us",
            "graph_us", "graph1_us")
-ROUNDS = 3               # interleaved rounds of evo, evo op and sdpa (forced backends: the first only)
+ROUNDS = 3               # interleaved rounds of evo, evo op and sdpa (forced backends: once, after them)
 PAIRED = ("evo", "evo op", "sdpa")
-EAGER_LOOPS = 2          # eager: loops measured per round, the median one reported
+HEAT_MS = 300.0          # before round 1: the paired implementations called in turn for about this wall time
+HEAT_IN_FLIGHT = 4       # heat-up: passes queued ahead of the GPU at most (the work left at its end stays short)
+EAGER_LOOPS = 3          # eager: loops measured per round, the median one reported
 EAGER_LOOP_MS = 30.0     # each loop at least this much device time (and at least --calls calls)
 GRAPH_SAMPLES = 2        # graph and graph1: samples per round, the median one reported
 GRAPH_SAMPLE_MS = 10.0   # each sample at least this much device time (and at least --calls calls)
@@ -265,25 +271,112 @@ def graph_times(fn: Callable[..., Any], sets: list[tuple], calls: int, device_us
             "graph1_us": statistics.median(samples1), "graph1_spread_us": half_range(samples1)}
 
 
-def measure(name: str, fn: Callable[..., Any], sets: list[tuple], calls: int, repetitions: int) -> dict:
+def synchronize() -> None:
+    """Wait for the GPU (a seam: the CPU tests replace it)."""
     import torch
 
+    torch.cuda.synchronize()
+
+
+def _recorded_event() -> Any:
+    """A CUDA event recorded on the current stream (a seam, as ``synchronize``)."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def heat_up(fns: list[Callable[..., Any]], sets: list[tuple], ms: float = HEAT_MS) -> int:
+    """Call ``fns`` in turn, back to back (pass i: each on ``sets[i % len(sets)]``), for about ``ms``
+    of wall time, then synchronize; at most HEAT_IN_FLIGHT passes queued ahead of the GPU. One that
+    raises leaves the heat-up (its measurement reports it). Returns the passes made."""
+    live, pending, passes = list(fns), [], 0
+    start = time.perf_counter()
+    while live and time.perf_counter() - start < ms / 1e3:
+        args = sets[passes % len(sets)]
+        for fn in list(live):
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - measured (and reported) in the rounds
+                live.remove(fn)
+        passes += 1
+        pending.append(_recorded_event())
+        if len(pending) > HEAT_IN_FLIGHT:
+            pending.pop(0).synchronize()
+    synchronize()
+    return passes
+
+
+def device_times(fn: Callable[..., Any], sets: list[tuple], repetitions: int) -> dict[str, Any]:
+    """device µs: evoengineer's time_graph over the sets (median, p20, p80, the spread (p80 - p20) / 2)."""
     from evoengineer.gpu.timing import time_graph
 
-    row: dict[str, Any] = {"impl": name}
-    try:
-        device = time_graph([lambda s=s: fn(*s) for s in sets], repetitions=repetitions, warmup=5)
-        row.update(device_us=device.median_us, device_p20_us=device.p20_us, device_p80_us=device.p80_us,
-                   device_spread_us=(device.p80_us - device.p20_us) / 2, device_repetitions=device.repetitions)
-        row.update(eager_times(fn, sets, calls, device.median_us))
+    device = time_graph([lambda s=s: fn(*s) for s in sets], repetitions=repetitions, warmup=5)
+    return {"device_us": device.median_us, "device_p20_us": device.p20_us, "device_p80_us": device.p80_us,
+            "device_spread_us": (device.p80_us - device.p20_us) / 2, "device_repetitions": device.repetitions}
+
+
+def failed_row(name: str, exc: Exception) -> dict:
+    """The row of an implementation whose measurement raised: unsupported, with the reason."""
+    text = str(exc).strip()
+    return {"impl": name, "status": "unsupported", "reason": text.splitlines()[0][:160] if text else type(exc).__name__}
+
+
+def measure_columns(impls: dict[str, Callable[..., Any]], sets: list[tuple], calls: int,
+                    repetitions: int) -> dict[str, dict]:
+    """One round of ``impls``, column by column in their order: the device time of each, then the
+    eager loops of each, then the graphs of each (eager and graph sized by the implementation's own
+    device time). One that raises is ``unsupported`` for the round and skips the later columns."""
+    rows: dict[str, dict] = {name: {"impl": name} for name in impls}
+
+    def column(step: Callable[[dict, Callable[..., Any]], None]) -> None:
+        for name, fn in impls.items():
+            if rows[name].get("status") == "unsupported":
+                continue
+            try:
+                step(rows[name], fn)
+            except Exception as exc:  # noqa: BLE001 - a backend that does not take the shape is a row, not a crash
+                synchronize()
+                rows[name] = failed_row(name, exc)
+
+    def eager(row: dict, fn: Callable[..., Any]) -> None:
+        row.update(eager_times(fn, sets, calls, row["device_us"]))
         row["overhead_us"] = row["eager_us"] - row["device_us"]
-        row.update(graph_times(fn, sets, calls, device.median_us))
+
+    def graph(row: dict, fn: Callable[..., Any]) -> None:
+        row.update(graph_times(fn, sets, calls, row["device_us"]))
         row["input_sets"] = len(sets)
         row["status"] = "ok"
-    except Exception as exc:  # noqa: BLE001 - a backend that does not take the shape is a row, not a crash
-        torch.cuda.synchronize()
-        row = {"impl": name, "status": "unsupported", "reason": str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__}
-    return row
+
+    column(lambda row, fn: row.update(device_times(fn, sets, repetitions)))
+    column(eager)
+    column(graph)
+    return rows
+
+
+def measure(name: str, fn: Callable[..., Any], sets: list[tuple], calls: int, repetitions: int) -> dict:
+    """One implementation's device, eager and graph figures, one after the other."""
+    return measure_columns({name: fn}, sets, calls, repetitions)[name]
+
+
+def measure_rounds(impls: dict[str, Callable[..., Any]], sets: list[tuple], calls: int, repetitions: int,
+                   rounds: int) -> dict[str, list[dict]]:
+    """Each implementation's measurements, in the order of ``impls``: a heat-up of the PAIRED ones,
+    then ``rounds`` rounds of them (``measure_columns``, the order reversed every other round), then
+    each other one (a forced backend) once with ``measure``."""
+    paired = [name for name in impls if name in PAIRED]
+    per_round: dict[str, list[dict]] = {name: [] for name in impls}
+    if paired:
+        heat_up([impls[name] for name in paired], sets, HEAT_MS)
+    for r in range(rounds):
+        order = paired[::-1] if r % 2 else paired
+        for name, row in measure_columns({name: impls[name] for name in order}, sets, calls, repetitions).items():
+            per_round[name].append(row)
+    for name, fn in impls.items():
+        if name not in PAIRED:
+            per_round[name].append(measure(name, fn, sets, calls, repetitions))
+    return per_round
 
 
 ROUND_FIGURES = ("device_us", "device_spread_us", "eager_us", "overhead_us", "host_us", "sync_us", "graph_us",
@@ -576,8 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=200, help="calls per eager loop and per graph sample, at least")
     parser.add_argument("--repetitions", type=int, default=50, help="graph replays per device-time measurement, "
                         "split over the rounds")
-    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds of evo, evo op and sdpa "
-                        f"(default {ROUNDS})")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds of evo, evo op and sdpa, "
+                        f"each column by column: device, eager, graph (default {ROUNDS}; forced backends after)")
     parser.add_argument("--quick", action="store_true", help="fewer calls and repetitions")
     parser.add_argument("--no-backends", action="store_true", help="skip the forced SDPA backend rows")
     parser.add_argument("--launch-paths", action="store_true", help="also time the raw launch calls")
@@ -630,12 +723,8 @@ def main(argv: list[str] | None = None) -> int:
                 err = max_error(module, sets, causal, gqa)
                 impls = {k: fn for k, fn in implementations(module, causal, gqa).items()
                          if not (args.no_backends and k.startswith("sdpa "))}
-                per_round: dict[str, list[dict]] = {k: [] for k in impls}
                 repetitions = max(5, args.repetitions // args.rounds)
-                for r in range(args.rounds):   # evo, evo op and sdpa interleaved; the order reversed every other round
-                    names = [k for k in impls if r == 0 or k in PAIRED]
-                    for impl in names[::-1] if r % 2 else names:
-                        per_round[impl].append(measure(impl, impls[impl], sets, args.calls, repetitions))
+                per_round = measure_rounds(impls, sets, args.calls, repetitions, args.rounds)
                 rows = [combine_rounds(impl, per_round[impl]) for impl in impls]
                 ratio = speedups(rows)
                 print_block(console, f"{title}: {plan['config'][:6]} {plan['short']}", rows, ratio, err)

@@ -162,3 +162,112 @@ def test_speedups_pair_the_rounds(bench) -> None:
     unpaired = {k: x for k, x in sdpa.items() if k != "rounds"}
     assert not bench.target_verdicts(ours, unpaired)["c"]["met"]                  # 26.4 / 20 against 22 / 20
     assert bench.speedups([ours, sdpa])["graph_us"] == pytest.approx(1.1)
+
+
+class Recorder:
+    """Stands in for the measuring functions: records (what, impl) in call order and answers with
+    made-up figures (device 10 µs, eager 12, graph 10.5); ``fail`` = (what, impl, round) raises there."""
+
+    def __init__(self, fail: tuple[str, str, int] | None = None) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.fail = fail
+
+    def _record(self, what: str, fn) -> str:
+        impl = fn.name
+        self.calls.append((what, impl))
+        if self.fail and (what, impl, self.calls.count((what, impl))) == self.fail:
+            raise RuntimeError(f"{impl} does not take the shape\nmore")
+        return impl
+
+    def heat_up(self, fns, sets, ms) -> int:
+        self.calls.append(("heat", "+".join(fn.name for fn in fns)))
+        self.heat_ms = ms
+        return 1
+
+    def device_times(self, fn, sets, repetitions) -> dict:
+        self._record("device", fn)
+        return {"device_us": 10.0, "device_spread_us": 0.1}
+
+    def eager_times(self, fn, sets, calls, device_us) -> dict:
+        assert device_us == 10.0                    # sized by its own device time of the round
+        self._record("eager", fn)
+        return {"eager_us": 12.0, "eager_spread_us": 0.5, "eager_loops_us": [11.5, 12.0, 12.5], "host_us": 5.0,
+                "sync_us": 20.0, "eager_calls": 200}
+
+    def graph_times(self, fn, sets, calls, device_us) -> dict:
+        self._record("graph", fn)
+        return {"graph_us": 10.5, "graph_calls": 8, "graph1_us": 11.0}
+
+
+class Impl:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args) -> None:
+        pass
+
+
+def recorded(bench, monkeypatch, fail: tuple[str, str, int] | None = None) -> tuple[Recorder, dict]:
+    rec = Recorder(fail)
+    for name in ("heat_up", "device_times", "eager_times", "graph_times"):
+        monkeypatch.setattr(bench, name, getattr(rec, name))
+    monkeypatch.setattr(bench, "synchronize", lambda: rec.calls.append(("sync", "")))
+    impls = {name: Impl(name) for name in ("evo", "sdpa", "sdpa flash")}
+    return rec, bench.measure_rounds(impls, [(1,), (2,)], 200, 10, 2)
+
+
+def test_rounds_go_column_by_column_after_a_heat_up(bench, monkeypatch) -> None:
+    rec, per_round = recorded(bench, monkeypatch)
+    assert rec.calls == [("heat", "evo+sdpa"),
+                         ("device", "evo"), ("device", "sdpa"), ("eager", "evo"), ("eager", "sdpa"),
+                         ("graph", "evo"), ("graph", "sdpa"),
+                         ("device", "sdpa"), ("device", "evo"), ("eager", "sdpa"), ("eager", "evo"),
+                         ("graph", "sdpa"), ("graph", "evo"),
+                         ("device", "sdpa flash"), ("eager", "sdpa flash"), ("graph", "sdpa flash")]
+    assert rec.heat_ms == bench.HEAT_MS == 300.0 and bench.EAGER_LOOPS == 3
+    assert [len(per_round[k]) for k in ("evo", "sdpa", "sdpa flash")] == [2, 2, 1]
+    first = per_round["evo"][0]
+    assert first["status"] == "ok" and first["overhead_us"] == pytest.approx(2.0) and first["input_sets"] == 2
+    assert list(first)[:2] == ["impl", "device_us"] and list(first)[-2:] == ["input_sets", "status"]
+    row = bench.combine_rounds("evo", per_round["evo"])
+    assert set(bench.ROUND_FIGURES) <= set(row["rounds"][0]) and len(row["rounds"]) == 2
+
+
+def test_a_failed_column_fails_that_round_only(bench, monkeypatch) -> None:
+    rec, per_round = recorded(bench, monkeypatch, fail=("eager", "sdpa", 2))   # sdpa's eager loops of round 2
+    round2 = rec.calls[7:13]
+    assert round2 == [("device", "sdpa"), ("device", "evo"), ("eager", "sdpa"), ("sync", ""), ("eager", "evo"),
+                      ("graph", "evo")]                                          # no graph for sdpa after it
+    assert [r["status"] for r in per_round["sdpa"]] == ["ok", "unsupported"]
+    assert per_round["sdpa"][1] == {"impl": "sdpa", "status": "unsupported", "reason": "sdpa does not take the shape"}
+    assert [r["status"] for r in per_round["evo"]] == ["ok", "ok"]
+    assert per_round["sdpa flash"][0]["status"] == "ok"
+    assert bench.combine_rounds("sdpa", per_round["sdpa"])["status"] == "unsupported"
+
+
+def test_heat_up_calls_in_turn_for_its_time(bench, monkeypatch) -> None:
+    calls: list[tuple[str, int]] = []
+    waited: list[int] = []
+
+    class Event:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def synchronize(self) -> None:
+            waited.append(self.n)
+
+    monkeypatch.setattr(bench, "_recorded_event", lambda: Event(len(calls)))
+    monkeypatch.setattr(bench, "synchronize", lambda: calls.append(("sync", 0)))
+
+    def impl(name: str, raises: bool = False):
+        def call(x: int) -> None:
+            calls.append((name, x))
+            if raises:
+                raise RuntimeError("no")
+        return call
+
+    passes = bench.heat_up([impl("a"), impl("b"), impl("c", raises=True)], [(0,), (1,), (2,)], 20.0)
+    assert calls[-1] == ("sync", 0) and calls[:3] == [("a", 0), ("b", 0), ("c", 0)]
+    body = calls[3:-1]                                   # c left after its failure; a and b alternate on the sets
+    assert body == [(n, i % 3) for i in range(1, passes) for n in "ab"] and passes > bench.HEAT_IN_FLIGHT
+    assert len(waited) == passes - bench.HEAT_IN_FLIGHT  # at most HEAT_IN_FLIGHT passes ahead
