@@ -237,8 +237,13 @@ def test_persistent_varies_where_a_tma_producer_loads_and_each_has_its_twin() ->
     valid = list(SPACE.valid_configs())
     persistent = [c for c in valid if c["PERSISTENT"]]
     assert persistent and all(c["PATH"] == "wgmma" and c["PRODUCER"] == 1 and c["LOAD"] == "tma" for c in persistent)
-    assert all(SPACE.contains(c.replace(PERSISTENT=0)) for c in persistent)
+    assert all(SPACE.contains(c.replace(PERSISTENT=0, O_TMA=0)) for c in persistent)
     assert any(c["BLOCK_N"] == 176 for c in persistent)
+    # O_TMA only on persistent CTAs, each with its twin storing from registers; 32 KB more at D128
+    stored = [c for c in valid if c["O_TMA"]]
+    assert stored and all(c["PERSISTENT"] and SPACE.contains(c.replace(O_TMA=0)) for c in stored)
+    assert all(1024 + 512 * c["BLOCK_M"] + 512 * c["BLOCK_N"] * c["STAGES"] + 256 <= SPACE.target.smem_per_block for c in stored)
+    assert not any(c["BLOCK_N"] == 192 and c["BLOCK_M"] == 128 for c in stored)   # 128x192 with O: 260 KB
 
 
 def test_load_varies_on_the_wgmma_path_only_and_no_configuration_repeats() -> None:
@@ -547,4 +552,4 @@ def test_o_tma_stores_o_through_shared_memory_by_a_fourth_map(config: Config) ->
     assert stores[1] - stores[0] == 2 * 128 * 128   # a 128 x 128 fp16 O tile
     with pytest.raises(RenderError, match="O_TMA_REQUIRES_PERSISTENT"):
         render("flash_attention", SEED.replace(O_TMA=1), Variant(64, False))
-    assert PERSISTENT.replace(O_TMA=1).short_label().endswith(" ot")
+    assert PERSISTENT.replace(O_TMA=1).short_label() == "ptmao 128x128 st2 r24/240 ovl pp"

@@ -59,10 +59,11 @@ class Config(Mapping[str, ParamValue]):
         intra-warpgroup overlap (``ov2``: INTRA_WG_OVERLAP=2), ``pp`` ping-pong, ``em`` EXP2_FMA
         (``em2``: 2 of 8 exponentials on the FMA units), ``qs2`` two Q buffers (Q_STAGES) and
         ``xt`` CROSS_TILE, ``pin`` SOFTMAX_PIN, ``lz`` LAZY_RESCALE,
-        ``ot`` O_TMA;
+        ``ot`` O_TMA (where it is not in the path's name, below);
         with LOAD=tma (loads by the tensor memory accelerator) the path reads
         ``tma`` (``tma 128x128 st2 r24/240 ovl pp``), which keeps the label as short as its cp.async twin's,
-        and ``ptma`` with PERSISTENT=1 as well (``ptma 128x176 st2 r24/240 ovl pp``: persistent CTAs).
+        and ``ptma`` with PERSISTENT=1 as well (``ptma 128x176 st2 r24/240 ovl pp``: persistent CTAs),
+        ``ptmao`` with O_TMA=1 too (their O stored by TMA).
         """
         values = dict(self.items_)
         if values.get("PATH") == "wgmma":  # warpgroups instead of warps; the tile's rows give the consumers
@@ -80,6 +81,9 @@ class Config(Mapping[str, ParamValue]):
                 if values.get("PERSISTENT") == 1:
                     values.pop("PERSISTENT")
                     values["PATH"] = "ptma"  # ... from persistent CTAs
+                    if values.get("O_TMA") == 1:
+                        values.pop("O_TMA")
+                        values["PATH"] = "ptmao"  # ... which store O by TMA as well
         parts = [str(values.pop("PATH"))] if "PATH" in values else []
         if "BLOCK_M" in values and "BLOCK_N" in values:
             parts.append(f"{values.pop('BLOCK_M')}x{values.pop('BLOCK_N')}")
