@@ -592,7 +592,7 @@ def launch_paths(module: Any, dtype: Any, calls: int) -> list[dict]:
     params = plan["params_address"]
     # the raw launches write into buffers of our own (the plan's pointers are those of its last call)
     result = torch.empty_like(q)
-    workspace = torch.empty(max(1, plan["workspace_bytes"] // 4), dtype=torch.float32, device="cuda")
+    workspace = torch.zeros(max(1, plan["workspace_bytes"] // 4), dtype=torch.float32, device="cuda")
     arguments = plan["arguments"]
     arguments.Q, arguments.K, arguments.V, arguments.O, arguments.WS = (
         q.data_ptr(), k.data_ptr(), v.data_ptr(), result.data_ptr(), workspace.data_ptr())

@@ -553,3 +553,68 @@ def test_o_tma_stores_o_through_shared_memory_by_a_fourth_map(config: Config) ->
     with pytest.raises(RenderError, match="O_TMA_REQUIRES_PERSISTENT"):
         render("flash_attention", SEED.replace(O_TMA=1), Variant(64, False))
     assert PERSISTENT.replace(O_TMA=1).short_label() == "ptmao 128x128 st2 r24/240 ovl pp"
+
+
+# -- ping-pong turns carried over work tiles (PINGPONG=2), work tiles from a counter (PERSISTENT=2) --
+
+
+@pytest.mark.parametrize("config", [PERSISTENT.replace(PINGPONG=2), PERSISTENT.replace(PINGPONG=2, O_TMA=1, Q_STAGES=2),
+                                    PERSISTENT.replace(PINGPONG=2, PERSISTENT=2, INTRA_WG_OVERLAP=2, REG_CONSUMER=232)],
+                         ids=Config.short_label)
+def test_carried_ping_pong_opens_its_turns_once_per_cta(config: Config) -> None:
+    """PINGPONG=2: the last warpgroup opens warpgroup 0's turn in the first work tile only, and warpgroup 0
+    takes the final hand-over once, after the last work tile (1: in every work tile). Both compile without
+    spills or serialized wgmma."""
+    carried = render("flash_attention", config, Variant(128, True)).source
+    per_tile = render("flash_attention", config.replace(PINGPONG=1), Variant(128, True)).source
+    assert "if (wg == C - 1 && round == 0) named_arrive(BAR_PINGPONG + 0, 256);" in carried
+    assert "if (wg == C - 1) named_arrive(BAR_PINGPONG + 0, 256);" in per_tile
+    # warpgroup 0's final sync on its own turn's barrier: after the loop over work tiles, or inside it
+    close = "if (wg == 0) named_sync(BAR_PINGPONG + 0, 256);"
+    assert carried.index(close) > carried.index("}   // work tiles") > per_tile.index(close)
+    for source in (carried, per_tile):
+        compiled = compile_source(source, "sm_90a")
+        assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
+    for refused in (SEED.replace(PINGPONG=2), PERSISTENT.replace(PINGPONG=2, CROSS_TILE=1)):
+        with pytest.raises(RenderError, match="PINGPONG_2_REQUIRES_PERSISTENT"):
+            render("flash_attention", refused, Variant(64, False))
+    assert PERSISTENT.replace(PINGPONG=2).short_label() == "ptma 128x128 st2 r24/240 ovl pp2"
+
+
+@pytest.mark.parametrize("config", [PERSISTENT.replace(PERSISTENT=2), PERSISTENT.replace(PERSISTENT=2, PINGPONG=0, O_TMA=1, Q_STAGES=2)],
+                         ids=Config.short_label)
+@pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False)])
+def test_a_tile_counter_kernel_declares_its_counter_and_takes_tiles_by_atomics(config: Config, head_dim: int, causal: bool) -> None:
+    """PERSISTENT=2: the launch says "tile_counter" (the launchers zero a 32-bit counter per call and
+    pass it as WS), the producer takes each next work tile with a global atomic (ATOMG in the SASS),
+    and a 24-register producer does not spill for it."""
+    rendered = render("flash_attention", config, Variant(head_dim, causal))
+    static = render("flash_attention", config.replace(PERSISTENT=1), Variant(head_dim, causal))
+    assert rendered.tile_counter and rendered.launches[0].persistent and not static.tile_counter
+    assert rendered.launch_metadata()["launches"][0]["tile_counter"] is True
+    assert "tile_counter" not in static.launch_metadata()["launches"][0]
+    assert rendered.workspace_floats(4, 16, 2048) == 0 and rendered.launches[0].grid(4, 16, 2048, 132) == (132, 1, 1)
+    compiled = compile_source(rendered.source, "sm_90a")
+    assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
+    assert config["REG_PRODUCER"] == 24
+    tool = _nvdisasm()
+    if tool is not None:
+        sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
+        assert re.search(r"\bATOMG?\.E\.ADD", sass) or re.search(r"\bATOMG\b", sass), "no global atomic in the SASS"
+        plain = subprocess.run([tool, compile_source(static.source, "sm_90a").cubin_path], capture_output=True,
+                               text=True, timeout=120).stdout
+        assert not re.search(r"\bATOMG\b", plain)
+    with pytest.raises(RenderError, match="PERSISTENT_2_EXCLUDES_CROSS_TILE"):
+        render("flash_attention", config.replace(CROSS_TILE=1, PINGPONG=1, INTRA_WG_OVERLAP=1), Variant(64, False))
+    assert PERSISTENT.replace(PERSISTENT=2, O_TMA=1).short_label() == "dtmao 128x128 st2 r24/240 ovl pp"
+
+
+def test_an_exported_tile_counter_kernel_gets_a_zeroed_counter_per_call(tmp_path: Path) -> None:
+    config = PERSISTENT.replace(PERSISTENT=2)
+    times = {label: {config: 100.0} for label in ("B1 H8 S512 D64", "B4 H16 S2048 D64", "B4 H16 S2048 D128")}
+    export_runs([make_run(tmp_path / "run", times, sdpa={label: 120.0 for label in times})], tmp_path / "out")
+    module = load_module(tmp_path / "out")
+    spec = module.KERNELS[("fp16", 128, False, config.key())]
+    assert [launch["tile_counter"] for launch in spec["launches"]] == [True]
+    meta = json.loads((tmp_path / "out" / "kernel.json").read_text())
+    assert [launch.get("tile_counter") for k in meta["kernels"] for launch in k["launches"]] == [True] * len(meta["kernels"])

@@ -94,9 +94,15 @@ class AttentionKernel:
             if self._workspace is None or self._workspace.numel() < ws_floats or self._workspace.device != q.device:
                 self._workspace = torch.empty(ws_floats, dtype=torch.float32, device=q.device)
             ws_ptr = self._workspace.data_ptr()
+        counter = None
+        if self.rendered.tile_counter:  # zeroed on this stream before the launch, freed after it in stream order
+            counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+            ws_ptr = counter.data_ptr()
         if self._maps is not None:
             values = argument_values(q, k, v, out, ws_ptr, scale * LOG2E)
-            return self._launch_with_maps(q, k, v, out, values)
+            self._launch_with_maps(q, k, v, out, values)
+            del counter  # the launch is queued: the counter's memory may go back to torch's allocator
+            return out
         args = (
             cupy.uint64(q.data_ptr()), cupy.uint64(k.data_ptr()), cupy.uint64(v.data_ptr()), cupy.uint64(out.data_ptr()),
             cupy.uint64(ws_ptr),

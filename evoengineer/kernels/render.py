@@ -9,6 +9,8 @@ A template declares its own launches in comment lines of the rendered source::
 Each launch runs over ``grid = (ceil(S_q / rows_per_cta), B * H, grid_z)``, or, with
 ``"persistent": true``, over one CTA per multiprocessor at most (``(min(tiles, SMs), 1, 1)``,
 the kernel walks the ``ceil(S_q / rows_per_cta) * B * H`` work tiles itself), or, with
+``"tile_counter": true`` (a persistent kernel whose CTAs take work tiles from a counter),
+with ``WS`` pointing to a 32-bit counter the launcher zeroes before every call; with
 ``"pack_gqa": true``, over ``(ceil(S_q * H / H_kv / rows_per_cta), B * H_kv, grid_z)`` (the
 rows of a CTA are the query heads that share a K/V head, position by position); launches
 run in order with the same arguments (a split-K/V kernel followed by its combine
@@ -60,6 +62,7 @@ class Launch:
     grid_z: int = 1
     persistent: bool = False
     pack_gqa: bool = False
+    tile_counter: bool = False
 
     def grid(self, batch: int, heads: int, seq_q: int, sms: int | None = None,
              heads_kv: int | None = None) -> tuple[int, int, int]:
@@ -149,6 +152,11 @@ class Rendered:
     def max_smem(self) -> int:
         return max(launch.smem for launch in self.launches)
 
+    @property
+    def tile_counter(self) -> bool:
+        """A launch takes its work tiles from a counter: WS points to 32 zeroed bits per call."""
+        return any(launch.tile_counter for launch in self.launches)
+
     def workspace_floats(self, batch: int, heads: int, seq_q: int) -> int:
         return batch * heads * seq_q * self.workspace_floats_per_row
 
@@ -159,7 +167,8 @@ class Rendered:
             "variant": {"head_dim": self.variant.head_dim, "causal": self.variant.causal, "dtype": self.variant.dtype},
             "launches": [
                 {"kernel": l.kernel, "block": list(l.block), "smem": l.smem, "rows_per_cta": l.rows_per_cta, "grid_z": l.grid_z,
-                 **({"persistent": True} if l.persistent else {}), **({"pack_gqa": True} if l.pack_gqa else {})}
+                 **({"persistent": True} if l.persistent else {}), **({"pack_gqa": True} if l.pack_gqa else {}),
+                 **({"tile_counter": True} if l.tile_counter else {})}
                 for l in self.launches
             ],
             "workspace_floats_per_row": self.workspace_floats_per_row,
@@ -252,6 +261,7 @@ def _parse_metadata(source: str) -> tuple[list[Launch], int, list[TensorMapArg]]
                     grid_z=int(meta.get("grid_z", 1)),
                     persistent=bool(meta.get("persistent", False)),
                     pack_gqa=bool(meta.get("pack_gqa", False)),
+                    tile_counter=bool(meta.get("tile_counter", False)),
                 )
             )
         elif stripped.startswith("// WORKSPACE_FLOATS_PER_ROW "):

@@ -300,7 +300,7 @@ def _decode_note(per: PerShape, dispatch: dict) -> dict:
 def _launch(launch: Any) -> dict:
     return {"kernel": launch.kernel, "block": list(launch.block), "smem": launch.smem,
             "rows_per_cta": launch.rows_per_cta, "grid_z": launch.grid_z, "persistent": launch.persistent,
-            "pack_gqa": launch.pack_gqa}
+            "pack_gqa": launch.pack_gqa, "tile_counter": launch.tile_counter}
 
 
 def _py(value: Any) -> str:

@@ -63,7 +63,9 @@ class Config(Mapping[str, ParamValue]):
         with LOAD=tma (loads by the tensor memory accelerator) the path reads
         ``tma`` (``tma 128x128 st2 r24/240 ovl pp``), which keeps the label as short as its cp.async twin's,
         and ``ptma`` with PERSISTENT=1 as well (``ptma 128x176 st2 r24/240 ovl pp``: persistent CTAs),
-        ``ptmao`` with O_TMA=1 too (their O stored by TMA).
+        ``ptmao`` with O_TMA=1 too (their O stored by TMA); ``dtma`` and ``dtmao`` with PERSISTENT=2
+        (persistent CTAs taking their work tiles from a counter). ``pp2`` is PINGPONG=2 (the turns
+        carried over work tiles).
         """
         values = dict(self.items_)
         if values.get("PATH") == "wgmma":  # warpgroups instead of warps; the tile's rows give the consumers
@@ -78,12 +80,12 @@ class Config(Mapping[str, ParamValue]):
             if values.get("LOAD") == "tma":
                 values.pop("LOAD")
                 values["PATH"] = "tma"  # the wgmma path loading by TMA
-                if values.get("PERSISTENT") == 1:
-                    values.pop("PERSISTENT")
-                    values["PATH"] = "ptma"  # ... from persistent CTAs
+                if values.get("PERSISTENT") in (1, 2):
+                    # ... from persistent CTAs (``dtma``: taking their work tiles from a counter)
+                    values["PATH"] = "ptma" if values.pop("PERSISTENT") == 1 else "dtma"
                     if values.get("O_TMA") == 1:
                         values.pop("O_TMA")
-                        values["PATH"] = "ptmao"  # ... which store O by TMA as well
+                        values["PATH"] += "o"  # ... which store O by TMA as well
         parts = [str(values.pop("PATH"))] if "PATH" in values else []
         if "BLOCK_M" in values and "BLOCK_N" in values:
             parts.append(f"{values.pop('BLOCK_M')}x{values.pop('BLOCK_N')}")

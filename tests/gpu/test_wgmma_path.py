@@ -64,6 +64,13 @@ LAZY = [c.replace(LAZY_RESCALE=1) for c in (TMA_SEED, PERSISTENT[0], OVERLAP2[1]
 # three consumer warpgroups
 O_TMA = [c.replace(O_TMA=1) for c in (PERSISTENT[0], TMA_SEED.replace(PINGPONG=0, PERSISTENT=1), CROSS_TILE[1], OVERLAP2[1],
                                       LAZY[1], PERSISTENT[3])]
+# PINGPONG=2 (the turns carried over work tiles) and PERSISTENT=2 (work tiles from a counter, causal ones
+# longest first over head groups): values outside the space; with O_TMA, two Q buffers (two tile slots),
+# overlap 2, without ping-pong, three consumer warpgroups
+CARRIED = [c.replace(PINGPONG=2) for c in (PERSISTENT[0], O_TMA[0], OVERLAP2[1], CROSS_TILE[0])] + [
+    SEEDS[2].replace(LOAD="tma", PERSISTENT=1, PINGPONG=2)]
+DYNAMIC = [c.replace(PERSISTENT=2) for c in (PERSISTENT[0], O_TMA[1], CARRIED[1], CROSS_TILE[0], OVERLAP2[4], PERSISTENT[3],
+                                             CARRIED[4])]
 # ... plus 80 heads of 2048 keys: persistent CTAs run ten rounds of work tiles, the last one partial
 # (causal: in reverse, the snake order's odd round)
 SHAPES = [(1, 8, 512), (2, 3, 77), (1, 2, 5), (1, 1, 1), (1, 1, 257), (1, 2, 1000), (1, 2, 2048), (2, 40, 2048)]
@@ -85,7 +92,7 @@ def _kernel(config: Config, variant: Variant):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", CONFIGS + EXP2_FMA + CROSS_TILE + PINNED + LAZY + O_TMA, ids=Config.label)
+@pytest.mark.parametrize("config", CONFIGS + EXP2_FMA + CROSS_TILE + PINNED + LAZY + O_TMA + CARRIED + DYNAMIC, ids=Config.label)
 def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
     from evoengineer.gpu.evaluate import gate_launcher
 
@@ -122,7 +129,7 @@ def test_a_row_maximum_that_keeps_growing_is_followed(config: Config, causal: bo
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), PERSISTENT[0], CROSS_TILE[-2], PINNED[1],
-                                    O_TMA[0], O_TMA[2]],
+                                    O_TMA[0], O_TMA[2], CARRIED[1], DYNAMIC[0], DYNAMIC[2]],
                          ids=Config.short_label)
 def test_query_and_key_lengths_may_differ_and_kv_heads_may_be_grouped(config: Config, causal: bool, head_dim: int) -> None:
     import torch
@@ -138,7 +145,7 @@ def test_query_and_key_lengths_may_differ_and_kv_heads_may_be_grouped(config: Co
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2, msg=f"S_q {seq_q} S_k {seq_k} H_kv {heads_kv}")
 
 
-@pytest.mark.parametrize("config", [TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), O_TMA[1]], ids=Config.short_label)
+@pytest.mark.parametrize("config", [TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), O_TMA[1], DYNAMIC[2]], ids=Config.short_label)
 def test_tma_reads_views_by_their_strides_and_nothing_past_the_sequence(config: Config) -> None:
     """Tensor maps follow each tensor's strides: (B, S, H, D) storage viewed as (B, H, S, D), a
     K/V cache longer than the keys used (NaN past them: a read beyond S_k would poison the
@@ -181,7 +188,7 @@ def test_a_tma_kernel_refuses_tensors_its_maps_cannot_describe() -> None:
         kernel(q, k, k, torch.empty_like(q))
 
 
-@pytest.mark.parametrize("best", [SEEDS[0], TMA_SEED, PERSISTENT[0], O_TMA[1]], ids=Config.short_label)
+@pytest.mark.parametrize("best", [SEEDS[0], TMA_SEED, PERSISTENT[0], O_TMA[1], DYNAMIC[2]], ids=Config.short_label)
 def test_an_exported_wgmma_configuration_runs_through_the_module(tmp_path: Path, best: Config) -> None:
     import torch
     import torch.nn.functional as F
