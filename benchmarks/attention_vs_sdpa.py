@@ -10,19 +10,20 @@ path in this run is reported with its ratios.
     python benchmarks/attention_vs_sdpa.py --space h100 --config PATH=wmma,BLOCK_M=64,...
 
 With --leaderboard, the candidates are, for each shape a run searched and each path, the
-configuration with the shortest recorded time on that shape (searches restricted with
-``search --shape`` contribute their own shapes). Ratios are time / SDPA backend's time
+--top (default 2) configurations with the shortest recorded times on that shape (searches
+restricted with ``search --shape`` contribute their own shapes). Ratios are time / SDPA backend's time
 (below 1: faster than SDPA); TF/s counts the matmul FLOPs (halved for causal).
 
 Beside SDPA's four backends forced one at a time, the same harness times SDPA as a user
 calls it (``default``: torch's own backend choice; cuDNN on Hopper) and, when it is
 installed, flash-attn-4 (``fa4``). ``/bar`` is the ratio to the faster of cuDNN and fa4.
 
-Then, with --rounds N (default 3), each shape's winners of the --retime-paths (default mma and
-wgmma) are timed again, N rounds interleaved with SDPA's backends and the peers (the order
-reversed every other round), so that a drift of the GPU's clock over the run reaches every
-side alike. That second table gives per shape the median of the rounds, and ÷cuDNN and ÷bar
-as the medians of the rounds' paired ratios: the figures to quote.
+Then, with --rounds N (default 3), each shape's --retime-top (default 2) fastest candidates of
+each of the --retime-paths (default mma and wgmma) are timed again, N rounds interleaved with
+SDPA's backends and the peers (the order reversed every other round), so that a drift of the
+GPU's clock over the run reaches every side alike. That second table gives per shape and path
+the candidate with the lowest median of the rounds, its median, and ÷cuDNN and ÷bar as the
+medians of the rounds' paired ratios: the figures to quote.
 """
 from __future__ import annotations
 
@@ -50,9 +51,10 @@ HAND_PICKED = [  # per-regime winners of h100 searches (NVIDIA H100)
 ]
 
 
-def configs_from_leaderboards(runs: list[Path]) -> list[Config]:
-    """For each shape and path the runs recorded, the configuration with the shortest time on that shape."""
-    best: dict[tuple[str, str], tuple[float, dict]] = {}
+def configs_from_leaderboards(runs: list[Path], top: int = 1) -> list[Config]:
+    """For each shape and path the runs recorded, the ``top`` configurations with the shortest times
+    on that shape (each configuration once, at its best time over the runs)."""
+    times: dict[tuple[str, str], dict[str, tuple[float, dict]]] = {}
     for run in runs:
         for line in (run / "results.jsonl").read_text().splitlines():
             r = json.loads(line)
@@ -60,10 +62,12 @@ def configs_from_leaderboards(runs: list[Path]) -> list[Config]:
                 continue
             for case in r.get("cases", []):
                 us = (case.get("time") or {}).get("median_us")
-                key = (case["label"], r["config"]["PATH"])
-                if us is not None and (key not in best or us < best[key][0]):
-                    best[key] = (us, r["config"])
-    picked = {Config(cfg).key(): Config(cfg) for _, cfg in sorted(best.values(), key=lambda x: x[0])}
+                per = times.setdefault((case["label"], r["config"]["PATH"]), {})
+                key = Config(r["config"]).key()
+                if us is not None and (key not in per or us < per[key][0]):
+                    per[key] = (us, r["config"])
+    best = [x for per in times.values() for x in sorted(per.values(), key=lambda x: x[0])[:top]]
+    picked = {Config(cfg).key(): Config(cfg) for _, cfg in sorted(best, key=lambda x: x[0])}
     return list(picked.values())
 
 
@@ -78,8 +82,9 @@ def paired_median(ours: list[float], theirs: list[float]) -> float:
 
 def retime_winners(winners: dict[str, dict[str, tuple[Evaluator, StaticReport]]], cases: list[Case],
                    references: tuple[str, ...], rounds: int, main_ev: Evaluator) -> dict[str, dict[str, list[dict]]]:
-    """label -> name (a path or a reference) -> one timing per round (us, tflops), the winners and
-    the references interleaved per shape, references first in even rounds and last in odd ones."""
+    """label -> name (a candidate's name, e.g. its path, or a reference) -> one timing per round (us,
+    tflops), the candidates and the references interleaved per shape, references first in even
+    rounds and last in odd ones."""
     timing = {**main_ev.timing, "precision": 0.0}
     samples: dict[str, dict[str, list[dict]]] = {}
     for r in range(rounds):
@@ -99,11 +104,31 @@ def retime_winners(winners: dict[str, dict[str, tuple[Evaluator, StaticReport]]]
     return samples
 
 
+def fastest(results: list[EvalResult], label: str, path: str, n: int) -> list[Config]:
+    """The ``n`` fastest candidates of ``path`` on shape ``label`` in the first pass."""
+    timed = [(c["time"]["median_us"], Config(r.config)) for r in results if r.ok and r.config["PATH"] == path
+             for c in [case_time(r, label)] if c is not None]
+    return [config for _, config in sorted(timed, key=lambda x: x[0])[:n]]
+
+
+def candidate_name(path: str, index: int) -> str:
+    """The re-timed candidate ``index`` (0: the first pass's fastest) of ``path``: ``wgmma``, ``wgmma#2``, ..."""
+    return path if index == 0 else f"{path}#{index + 1}"
+
+
+def rounds_winner(us: dict[str, list[float]], path: str) -> str | None:
+    """Of the re-timed candidates of ``path``, the one with the lowest median over the rounds."""
+    names = [n for n in us if n.split("#")[0] == path]
+    return min(names, key=lambda n: statistics.median(us[n])) if names else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--space", default="h100")
     parser.add_argument("--leaderboard", type=Path, action="append", default=[],
-                        help="a run directory (repeatable): its best configuration per path for each shape it searched")
+                        help="a run directory (repeatable): its best configurations per path for each shape it searched")
+    parser.add_argument("--top", type=int, default=2,
+                        help="with --leaderboard: the best N configurations per path and shape of each run (default 2)")
     parser.add_argument("--config", action="append", default=[], help="a configuration NAME=VALUE,... (repeatable)")
     parser.add_argument("--json", type=Path, help="also write all figures to this file")
     parser.add_argument("--trials", type=int, default=2, help="gate draws per shape")
@@ -115,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3,
                         help="re-time each shape's winners interleaved with the references this many rounds (0: no)")
     parser.add_argument("--retime-paths", default="mma,wgmma", help="the paths whose winners are re-timed (default mma,wgmma)")
+    parser.add_argument("--retime-top", type=int, default=2,
+                        help="re-time the N fastest candidates of each path per shape of the first pass; the rounds "
+                             "pick the one reported (default 2)")
     args = parser.parse_args(argv)
 
     space = load_space(args.space)
@@ -125,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         space = dataclasses.replace(space, cases=tuple(dict.fromkeys(space.cases + tuple(extra))))
     configs = [Config.parse(c) for c in args.config]
-    configs += configs_from_leaderboards(args.leaderboard)
+    configs += configs_from_leaderboards(args.leaderboard, args.top)
     if not configs:
         paths = space.param("PATH").values
         configs = [c for c in map(Config.parse, HAND_PICKED) if c["PATH"] in paths]
@@ -205,12 +233,11 @@ def main(argv: list[str] | None = None) -> int:
             main_ev = evaluator_for(0)
             for row in rows:
                 for p in wanted:
-                    if p in row:
-                        config = Config(row[p]["config"])
+                    for i, config in enumerate(fastest(results, row["shape"], p, args.retime_top)):
                         if config.key() not in reports:
-                            ev = evaluator_for(next((i for i, sp in enumerate(spaces) if sp.contains(config)), 0))
+                            ev = evaluator_for(next((j for j, sp in enumerate(spaces) if sp.contains(config)), 0))
                             reports[config.key()] = (ev, ev.build(config))
-                        winners.setdefault(row["shape"], {})[p] = reports[config.key()]
+                        winners.setdefault(row["shape"], {})[candidate_name(p, i)] = reports[config.key()]
             references = tuple(b for b in SDPA_BACKENDS if b in ("cudnn", "flash")) + peers
             console.print(f"re-timing {len(reports)} winners, {args.rounds} rounds interleaved with "
                           f"{', '.join(references)}", style="dim")
@@ -233,11 +260,17 @@ def main(argv: list[str] | None = None) -> int:
             entry: dict[str, Any] = {who: {"us": statistics.median(v), "rounds": v} for who, v in us.items()}
             cells = [f"{statistics.median(us[b]):.1f}" if b in us else "-" for b in refs]
             for p in wanted:
-                if p not in us:
+                name = rounds_winner(us, p)
+                if name is None:
                     cells += ["-", "-"]
                     continue
+                if name != p:  # the path's entry is the candidate the rounds picked
+                    entry[p] = entry[name]
+                    us[p], got[p] = us[name], got[name]
                 tf = statistics.median(x["tflops"] for x in got[p])
-                entry[p].update(tflops=tf, config=winners[label][p][1].config.to_dict(),
+                entry[p].update(tflops=tf, config=winners[label][name][1].config.to_dict(),
+                                candidates=[winners[label][c][1].config.short_label() for c in winners[label]
+                                            if c.split("#")[0] == p],
                                 ratio_cudnn=paired_median(us[p][:n], us["cudnn"][:n]) if "cudnn" in us else None,
                                 ratio_bar=paired_median(us[p][:n], bars) if bars else None)
                 cells += [f"{statistics.median(us[p]):.1f} | {tf:.0f}",
@@ -246,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             retimed[label] = entry
         console.print(table)
         for label, per in winners.items():
-            for p, (_, report) in per.items():
-                console.print(f"  {label} {p}: {report.config.short_label()}", style="dim")
+            for name, (_, report) in per.items():
+                picked = (retimed.get(label, {}).get(name.split("#")[0]) or {}).get("config") == report.config.to_dict()
+                console.print(f"  {label} {name}: {report.config.short_label()}{'  (reported)' if picked else ''}",
+                              style="dim")
     for b in SDPA_BACKENDS + peers:
         reasons = {rows.get(b, {}).get("reason") for rows in baseline.values() if rows.get(b, {}).get("status") != "ok"}
         if reasons - {None}:

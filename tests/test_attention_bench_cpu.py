@@ -3,6 +3,7 @@ ratios, on an evaluator that answers from a table of times (no GPU)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -70,3 +71,31 @@ def test_rounds_interleave_and_reverse(bench) -> None:
     bars = [min(c, f) for c, f in zip(us["cudnn"], us["fa4"])]
     assert bench.paired_median(us["wgmma"], bars) == pytest.approx(30.0 / 33.0)
     assert bench.paired_median([1.0, 2.0], [2.0, 1.0]) == pytest.approx(1.25)
+
+
+def test_the_rounds_pick_the_reported_candidate_of_a_path(bench) -> None:
+    """Two re-timed wgmma candidates: the one with the lower median over the rounds is reported,
+    whichever the first pass put first."""
+    us = {"wgmma": [10.0, 12.0, 11.0], "wgmma#2": [9.0, 13.0, 10.5], "mma#2": [5.0], "cudnn": [1.0]}
+    assert bench.rounds_winner(us, "wgmma") == "wgmma#2"
+    assert bench.rounds_winner(us, "mma") == "mma#2"
+    assert bench.rounds_winner(us, "wmma") is None
+    assert [bench.candidate_name("wgmma", i) for i in range(3)] == ["wgmma", "wgmma#2", "wgmma#3"]
+
+
+def test_leaderboards_give_the_top_configurations_per_shape_and_path(bench, tmp_path) -> None:
+    def line(block_n: int, us: dict[str, float], path: str = "wgmma") -> str:
+        config = {"PATH": path, "BLOCK_M": 128, "BLOCK_N": block_n}
+        cases = [{"label": label, "time": {"median_us": t}} for label, t in us.items()]
+        return json.dumps({"status": "ok", "config": config, "cases": cases})
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.jsonl").write_text("\n".join([
+        line(64, {"A": 3.0, "B": 1.0}), line(128, {"A": 1.0, "B": 5.0}), line(192, {"A": 2.0, "B": 4.0}),
+        line(176, {"A": 9.0, "B": 9.0}), line(64, {"A": 4.0, "B": 2.0}, path="mma"),
+        json.dumps({"status": "wrong", "config": {"PATH": "wgmma", "BLOCK_N": 16}, "cases": []})]))
+    one = [c["BLOCK_N"] for c in bench.configs_from_leaderboards([run])]
+    two = [(c["PATH"], c["BLOCK_N"]) for c in bench.configs_from_leaderboards([run], top=2)]
+    assert sorted(one) == [64, 64, 128]          # A: wgmma 128, B: wgmma 64; mma 64 on both
+    assert sorted(two) == [("mma", 64), ("wgmma", 64), ("wgmma", 128), ("wgmma", 192)]
