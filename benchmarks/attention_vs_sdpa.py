@@ -112,8 +112,8 @@ def fastest(results: list[EvalResult], label: str, path: str, n: int) -> list[Co
 
 
 def candidate_name(path: str, index: int) -> str:
-    """The re-timed candidate ``index`` (0: the first pass's fastest) of ``path``: ``wgmma``, ``wgmma#2``, ..."""
-    return path if index == 0 else f"{path}#{index + 1}"
+    """The re-timed candidate ``index`` (0: the first pass's fastest) of ``path``: ``wgmma#1``, ``wgmma#2``, ..."""
+    return f"{path}#{index + 1}"
 
 
 def rounds_winner(us: dict[str, list[float]], path: str) -> str | None:
@@ -264,9 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                 if name is None:
                     cells += ["-", "-"]
                     continue
-                if name != p:  # the path's entry is the candidate the rounds picked
-                    entry[p] = entry[name]
-                    us[p], got[p] = us[name], got[name]
+                # the path's entry: the candidate the rounds picked (each candidate's rounds stay under its name)
+                entry[p] = {**entry[name], "candidate": name}
+                us[p], got[p] = us[name], got[name]
                 tf = statistics.median(x["tflops"] for x in got[p])
                 entry[p].update(tflops=tf, config=winners[label][name][1].config.to_dict(),
                                 candidates=[winners[label][c][1].config.short_label() for c in winners[label]
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(table)
         for label, per in winners.items():
             for name, (_, report) in per.items():
-                picked = (retimed.get(label, {}).get(name.split("#")[0]) or {}).get("config") == report.config.to_dict()
+                picked = (retimed.get(label, {}).get(name.split("#")[0]) or {}).get("candidate") == name
                 console.print(f"  {label} {name}: {report.config.short_label()}{'  (reported)' if picked else ''}",
                               style="dim")
     for b in SDPA_BACKENDS + peers:

@@ -76,11 +76,11 @@ def test_rounds_interleave_and_reverse(bench) -> None:
 def test_the_rounds_pick_the_reported_candidate_of_a_path(bench) -> None:
     """Two re-timed wgmma candidates: the one with the lower median over the rounds is reported,
     whichever the first pass put first."""
-    us = {"wgmma": [10.0, 12.0, 11.0], "wgmma#2": [9.0, 13.0, 10.5], "mma#2": [5.0], "cudnn": [1.0]}
+    us = {"wgmma#1": [10.0, 12.0, 11.0], "wgmma#2": [9.0, 13.0, 10.5], "mma#1": [5.0], "cudnn": [1.0]}
     assert bench.rounds_winner(us, "wgmma") == "wgmma#2"
-    assert bench.rounds_winner(us, "mma") == "mma#2"
+    assert bench.rounds_winner(us, "mma") == "mma#1"
     assert bench.rounds_winner(us, "wmma") is None
-    assert [bench.candidate_name("wgmma", i) for i in range(3)] == ["wgmma", "wgmma#2", "wgmma#3"]
+    assert [bench.candidate_name("wgmma", i) for i in range(3)] == ["wgmma#1", "wgmma#2", "wgmma#3"]
 
 
 def test_leaderboards_give_the_top_configurations_per_shape_and_path(bench, tmp_path) -> None:

@@ -27,7 +27,8 @@ VARIANTS = [Variant(64, False, "bf16"), Variant(128, True, "bf16")]
 def test_the_bf16_space_has_the_wgmma_seeds_on_sm_90a() -> None:
     assert SPACE.target.arch == "sm_90a" and SPACE.dtypes == ("bf16",)
     assert [c.short_label() for c in SEEDS] == ["tma 128x128 st2 r24/240 ovl pp", "ptma 128x128 st2 r24/240 ovl pp",
-                                                   "ptmao 128x128 st2 r24/240 ovl pp", "wgmma 192x128 st2 r32/160"]
+                                                   "ptmao 128x128 st2 r24/240 ovl pp", "dtma 128x192 st2 r24/240 ovl",
+                                                   "wgmma 192x128 st2 r32/160"]
     assert all(SPACE.contains(c) for c in CONFIGS)
     loads = {c["LOAD"] for c in SPACE.valid_configs() if c["PATH"] == "wgmma"}
     assert loads == {"cpasync", "tma"}
