@@ -40,8 +40,10 @@ after the rounds:
   (latency; the median of max(10, --calls / 4));
 - graph µs: a model step, one call per input set (whole rotations, at least 8
   calls) captured in ONE CUDA graph; the graph replayed back to back, events
-  around the replays; µs per call, the median of 2 samples a round of
-  >= --calls calls and ~10 ms each;
+  around the replays; µs per call, the median of 8 samples a round of
+  >= --calls calls and ~3 ms each. Each sample is taken right before or after
+  a sample of the device time's own graph (~3 ms too): graph_per_device is
+  the median of these pairs' ratios;
 - graph1 µs (JSON, CSV and the ×sdpa line): one call per graph, one graph per
   input set, the graphs replayed in rotation; µs per call, median of the
   samples as above. Bounded by the graph launch for small kernels (the same few µs a
@@ -54,6 +56,10 @@ checks evo against sdpa on each row, on the unrounded figures:
   (b) overhead ours <= SDPA's, where a difference within the noise counts as
       equal; noise = ours' and SDPA's eager spreads + their device spreads;
   (c) graph speedup within 5% of the device speedup: |graph/device - 1| <= 0.05.
+      graph/device = (SDPA's graph / ours) / (SDPA's device / ours) = SDPA's
+      graph_per_device / ours: taken so, each implementation's graph and device
+      samples lie milliseconds apart, and a drift of the clock between the
+      device and the graph columns of a round does not enter (c).
 
 It counts the rows that meet each target and lists those that do not
 (results.json: "targets"). --launch-paths also times the raw launch calls the
@@ -94,8 +100,10 @@ HEAT_MS = 300.0          # before round 1: the paired implementations called in 
 HEAT_IN_FLIGHT = 4       # heat-up: passes queued ahead of the GPU at most (the work left at its end stays short)
 EAGER_LOOPS = 3          # eager: loops measured per round, the median one reported
 EAGER_LOOP_MS = 30.0     # each loop at least this much device time (and at least --calls calls)
-GRAPH_SAMPLES = 2        # graph and graph1: samples per round, the median one reported
+GRAPH_SAMPLES = 2        # graph1: samples per round, the median one reported
 GRAPH_SAMPLE_MS = 10.0   # each sample at least this much device time (and at least --calls calls)
+GRAPH_PAIRS = 8          # graph: samples per round, each next to a device sample (the median one reported)
+GRAPH_PAIR_MS = 3.0      # each graph and device sample at least this much device time (the graph's: and --calls calls)
 GRAPH_MIN_CALLS = 8      # calls captured in the graph of a model step, at least
 GRAPH_TOLERANCE = 0.05   # target (c): |graph speedup / device speedup - 1| at most this
 
@@ -208,28 +216,37 @@ def eager_times(fn: Callable[..., Any], sets: list[tuple], calls: int, device_us
             "eager_calls": n, "host_us": min(hosts), "sync_us": statistics.median(syncs)}
 
 
-def _replay_samples(graphs: list[Any], calls: int) -> list[float]:
-    """µs per call of replaying ``graphs`` back to back, in order (``calls`` calls in all), events
-    around them, GRAPH_SAMPLES times."""
+def _replay_samples(runs: list[tuple[list[Any], int]], samples: int) -> list[list[float]]:
+    """Per run (graphs replayed back to back in order, and the calls they hold), µs per call,
+    events around it; the runs one right after the other, in reverse order every other sample,
+    ``samples`` times."""
     import torch
 
-    samples = []
-    for _ in range(GRAPH_SAMPLES):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for graph in graphs:
-            graph.replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / calls)
-    return samples
+    out: list[list[float]] = [[] for _ in runs]
+    for k in range(samples):
+        timed = []
+        for i in (range(len(runs)) if k % 2 == 0 else reversed(range(len(runs)))):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for graph in runs[i][0]:
+                graph.replay()
+            b.record()
+            timed.append((i, a, b))
+        torch.cuda.synchronize()
+        for i, a, b in timed:
+            out[i].append(a.elapsed_time(b) * 1e3 / runs[i][1])
+    return out
 
 
 def graph_times(fn: Callable[..., Any], sets: list[tuple], calls: int, device_us: float) -> dict[str, Any]:
     """graph: one call per input set (whole rotations, at least GRAPH_MIN_CALLS) captured in one
-    CUDA graph, a model step's graph, replayed back to back; graph1: one call per graph, one graph
-    per set, replayed in rotation (bounded by the graph launch for small kernels). µs per call."""
+    CUDA graph, a model step's graph, replayed back to back; each sample next to one of the device
+    time's graph (time_graph's launches over the sets), whose ratio graph / device is
+    ``graph_per_device`` (the median of the pairs). graph1: one call per graph, one graph per set,
+    replayed in rotation (bounded by the graph launch for small kernels). µs per call."""
     import torch
+
+    from evoengineer.gpu.timing import capture_graph, launches_per_sample
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -237,37 +254,35 @@ def graph_times(fn: Callable[..., Any], sets: list[tuple], calls: int, device_us
         for args in sets:  # warm-up off the capture
             fn(*args)
     stream.synchronize()
-
-    def capture(args_list: list[tuple], pool: Any = None) -> Any:
-        # capture_begin/end rather than ``torch.cuda.graph``, whose entry empties the allocator's cache
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool)
-            try:
-                for args in args_list:
-                    fn(*args)
-            finally:
-                graph.capture_end()
-        return graph
+    ops = [lambda args=args: fn(*args) for args in sets]
 
     per_graph = len(sets) * math.ceil(GRAPH_MIN_CALLS / len(sets))
-    step = capture([sets[i % len(sets)] for i in range(per_graph)])
-    replays = loop_calls(calls, device_us, GRAPH_SAMPLE_MS, per_graph) // per_graph
-    step.replay()
-    torch.cuda.synchronize()
-    samples = _replay_samples([step] * replays, replays * per_graph)
-    del step
+    step = capture_graph(ops, per_graph, stream)
+    replays = loop_calls(calls, device_us, GRAPH_PAIR_MS, per_graph) // per_graph
+    launches = launches_per_sample(device_us, len(sets))
+    device = capture_graph(ops, launches, stream)
+    device_replays = max(1, math.ceil(GRAPH_PAIR_MS * 1e3 / (launches * max(device_us, 1e-3))))
+    with torch.cuda.stream(stream):
+        step.replay()
+        device.replay()
+        torch.cuda.synchronize()
+        samples, beside = _replay_samples([([step] * replays, replays * per_graph),
+                                           ([device] * device_replays, device_replays * launches)], GRAPH_PAIRS)
+    del step, device
     # graph1: the graphs share one memory pool, safe as they replay in the order of their capture
     pool = torch.cuda.graph_pool_handle()
-    singles = [capture([args], pool) for args in sets]
+    singles = [capture_graph([op], 1, stream, pool) for op in ops]
     n1 = loop_calls(calls, device_us, GRAPH_SAMPLE_MS, len(sets))
     order = [singles[i % len(singles)] for i in range(n1)]
-    for graph in singles:
-        graph.replay()
-    torch.cuda.synchronize()
-    samples1 = _replay_samples(order, n1)
+    with torch.cuda.stream(stream):
+        for graph in singles:
+            graph.replay()
+        torch.cuda.synchronize()
+        samples1 = _replay_samples([(order, n1)], GRAPH_SAMPLES)[0]
     del order, singles
     return {"graph_us": statistics.median(samples), "graph_spread_us": half_range(samples), "graph_calls": per_graph,
+            "graph_per_device": statistics.median(g / d for g, d in zip(samples, beside)),
+            "graph_device_us": statistics.median(beside),
             "graph1_us": statistics.median(samples1), "graph1_spread_us": half_range(samples1)}
 
 
@@ -380,7 +395,7 @@ def measure_rounds(impls: dict[str, Callable[..., Any]], sets: list[tuple], call
 
 
 ROUND_FIGURES = ("device_us", "device_spread_us", "eager_us", "overhead_us", "host_us", "sync_us", "graph_us",
-                 "graph1_us")
+                 "graph_per_device", "graph1_us")
 
 
 def combine_rounds(impl: str, measured: list[dict]) -> dict:
@@ -471,7 +486,10 @@ def target_verdicts(ours: dict, sdpa: dict, tolerance: float = GRAPH_TOLERANCE) 
        elsewhere);
     b: overhead ours <= SDPA's; a difference within ``overhead_noise_us`` counts as equal
        (verdict ``lower``, ``equal`` or ``higher``; met unless higher);
-    c: |graph speedup / device speedup - 1| <= ``tolerance``.
+    c: |graph speedup / device speedup - 1| <= ``tolerance``. That deviation is SDPA's
+       ``graph_per_device`` over ours, minus 1, where the rows have it (each side's graph samples
+       over the device samples taken next to them: the same quotient, without the clock's drift
+       between an implementation's device and graph measurements); else graph / device - 1.
     """
     device, eager, graph = (paired_speedup(ours, sdpa, c) for c in ("device_us", "eager_us", "graph_us"))
     applies = device >= 1.0
@@ -480,8 +498,10 @@ def target_verdicts(ours: dict, sdpa: dict, tolerance: float = GRAPH_TOLERANCE) 
     verdict = "lower" if difference < -noise else "equal" if difference <= noise else "higher"
     a_rounds, b_rounds = ours.get("rounds"), sdpa.get("rounds")
     if a_rounds and b_rounds and len(a_rounds) == len(b_rounds):
-        deviation = statistics.median((s["graph_us"] / o["graph_us"]) / (s["device_us"] / o["device_us"]) - 1
+        deviation = statistics.median(s["graph_per_device"] / o["graph_per_device"] - 1
                                       for o, s in zip(a_rounds, b_rounds))
+    elif "graph_per_device" in ours and "graph_per_device" in sdpa:
+        deviation = sdpa["graph_per_device"] / ours["graph_per_device"] - 1
     else:
         deviation = graph / device - 1
     return {
@@ -544,7 +564,8 @@ def target_lines(entries: list[dict]) -> list[str]:
              "  a: eager ×sdpa >= 1 where device ×sdpa >= 1 (-: device < 1)",
              "  b: overhead µs, ours and sdpa's; noise: the sum of both eager and",
              "     device spreads; <, =, >: lower, equal within noise, higher",
-             "  c: |graph ×sdpa / device ×sdpa - 1| <= 5%",
+             "  c: |graph ×sdpa / device ×sdpa - 1| <= 5%, from each side's graph over",
+             "     the device samples taken beside it (×gr: the graph medians' ratio)",
              f"  {'row':<{width}}{'×dev':>5}{'×eag':>5}{'a':>3}{'ovh':>7}{'sdpa':>7}{'noise':>6}{'b':>2}"
              f"{'×gr':>5}{'c':>3}"]
     sign = {"lower": "<", "equal": "=", "higher": ">"}

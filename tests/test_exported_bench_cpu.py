@@ -131,8 +131,9 @@ def test_loop_sizes(bench) -> None:
 def a_round(device: float, eager: float, graph: float, *, spread: float = 0.1, loops: tuple = ()) -> dict:
     return {"impl": "x", "status": "ok", "device_us": device, "device_spread_us": spread, "eager_us": eager,
             "overhead_us": eager - device, "host_us": 5.0, "sync_us": device + 10, "graph_us": graph,
-            "graph1_us": graph + 1, "eager_loops_us": list(loops or (eager - 0.5, eager + 0.5)), "eager_calls": 200,
-            "graph_calls": 8, "input_sets": 4}
+            "graph_per_device": graph / device, "graph1_us": graph + 1,
+            "eager_loops_us": list(loops or (eager - 0.5, eager + 0.5)), "eager_calls": 200, "graph_calls": 8,
+            "input_sets": 4}
 
 
 def test_rounds_combine_into_medians_and_a_spread_over_them(bench) -> None:
@@ -159,9 +160,32 @@ def test_speedups_pair_the_rounds(bench) -> None:
     v = bench.target_verdicts(ours, sdpa)
     assert v["a"]["device_speedup"] == pytest.approx(1.1) and v["c"]["graph_speedup"] == pytest.approx(1.1)
     assert v["c"]["deviation"] == pytest.approx(0.0) and v["c"]["met"]
-    unpaired = {k: x for k, x in sdpa.items() if k != "rounds"}
+    unpaired = {k: x for k, x in sdpa.items() if k not in ("rounds", "graph_per_device")}
     assert not bench.target_verdicts(ours, unpaired)["c"]["met"]                  # 26.4 / 20 against 22 / 20
     assert bench.speedups([ours, sdpa])["graph_us"] == pytest.approx(1.1)
+
+
+def test_graph_deviation_comes_from_each_sides_graph_over_its_own_device_samples(bench) -> None:
+    """The clock moves between the device column and the graph column of a round: SDPA's graph
+    reads 1.1x ours, its device time 1.2x (round 1) or 1.0x (round 2). Each side's graph samples
+    over the device samples taken beside them are 1.0 and 1.02: (c)'s deviation is 1.02 / 1.0 - 1,
+    where the device and graph medians alone would put it at -8 % and +10 %."""
+    ours = bench.combine_rounds("evo", [{**a_round(10.0, 12.0, 10.0), "graph_per_device": 1.0},
+                                        {**a_round(10.0, 12.0, 10.0), "graph_per_device": 1.0}])
+    sdpa = bench.combine_rounds("sdpa", [{**a_round(12.0, 14.0, 11.0), "graph_per_device": 1.02},
+                                         {**a_round(10.0, 12.0, 11.0), "graph_per_device": 1.02}])
+    v = bench.target_verdicts(ours, sdpa)
+    assert v["c"]["graph_speedup"] == pytest.approx(1.1) and v["c"]["device_speedup"] == pytest.approx(1.1)
+    assert v["c"]["deviation"] == pytest.approx(0.02) and v["c"]["met"]
+    assert ours["graph_per_device"] == 1.0 and len(ours["rounds"]) == 2
+    # a graph that costs SDPA nothing and ours 7 % more than our device time fails, rounds or not
+    slow = {**a_round(10.0, 12.0, 10.7), "graph_per_device": 1.07}
+    single = bench.target_verdicts(slow, {**a_round(11.0, 13.0, 11.0), "graph_per_device": 1.0})
+    assert single["c"]["deviation"] == pytest.approx(1 / 1.07 - 1) and not single["c"]["met"]
+    both = bench.target_verdicts(bench.combine_rounds("evo", [slow, slow]), sdpa)
+    assert both["c"]["deviation"] == pytest.approx(1.02 / 1.07 - 1) and both["c"]["met"]
+    worse = bench.combine_rounds("evo", [{**slow, "graph_per_device": 1.09}] * 2)
+    assert not bench.target_verdicts(worse, sdpa)["c"]["met"]
 
 
 class Recorder:
@@ -196,7 +220,7 @@ class Recorder:
 
     def graph_times(self, fn, sets, calls, device_us) -> dict:
         self._record("graph", fn)
-        return {"graph_us": 10.5, "graph_calls": 8, "graph1_us": 11.0}
+        return {"graph_us": 10.5, "graph_calls": 8, "graph_per_device": 1.05, "graph1_us": 11.0}
 
 
 class Impl:

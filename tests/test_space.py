@@ -231,3 +231,13 @@ def test_median_standard_error_separates_steady_from_noisy_samples() -> None:
     assert median_rel_stderr(steady) < 0.002 < median_rel_stderr(noisy)
     assert median_rel_stderr(noisy * 9) < median_rel_stderr(noisy)   # more samples, a better-known median
     assert median_rel_stderr([1.0, 2.0]) == float("inf")
+
+
+def test_launches_per_sample_fill_the_sample_time() -> None:
+    from evoengineer.gpu.timing import launches_per_sample
+
+    assert launches_per_sample(6.0, 3) == 84                  # ~500 µs of 6 µs calls
+    assert launches_per_sample(2000.0, 1) == 1                # one call is already longer
+    assert launches_per_sample(2000.0, 5) == 5                # every input set at least once
+    assert launches_per_sample(0.5, 1) == 256                 # at most 256 launches
+    assert launches_per_sample(10.0, 2, target_sample_us=3000.0, max_launches=1000) == 300

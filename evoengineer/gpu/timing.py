@@ -85,6 +85,30 @@ def input_sets_for_cold_l2(set_bytes: int, flush_l2: bool, l2_bytes: int | None 
     return max(1, min(cap, math.ceil(2 * l2_bytes / max(1, set_bytes))))
 
 
+def launches_per_sample(call_us: float, n_ops: int, target_sample_us: float = 500.0, max_launches: int = 256) -> int:
+    """Launches in the graph of one sample: about ``target_sample_us`` of calls of ``call_us``
+    each, at least one per op, at most ``max_launches`` (unless the ops are more)."""
+    return max(n_ops, min(max_launches, math.ceil(target_sample_us / max(call_us, 1e-3))))
+
+
+def capture_graph(ops: Sequence[Callable[[], object]], launches: int, stream: object, pool: object = None) -> object:
+    """A CUDA graph of ``launches`` calls, rotating through ``ops``, captured on ``stream``
+    (in the memory ``pool`` of another graph, where given)."""
+    import torch
+
+    # capture_begin/end rather than ``torch.cuda.graph``, whose entry empties the caching
+    # allocator (and may collect garbage): the next inputs would pay cudaMalloc again.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            for i in range(launches):
+                ops[i % len(ops)]()
+        finally:
+            graph.capture_end()
+    return graph
+
+
 def time_graph(
     ops: Sequence[Callable[[], object]],
     *,
@@ -125,19 +149,9 @@ def time_graph(
         end.record()
     end.synchronize()
     rough_us = max(start.elapsed_time(end) * 1e3 / len(ops), 1.0)
-    launches = max(len(ops), min(max_launches, math.ceil(target_sample_us / rough_us)))
+    launches = launches_per_sample(rough_us, len(ops), target_sample_us, max_launches)
     repetitions = max(5, min(repetitions, int(max_total_ms * 1e3 / (launches * rough_us))))
-
-    # capture_begin/end rather than ``torch.cuda.graph``, whose entry empties the caching
-    # allocator (and may collect garbage): the next inputs would pay cudaMalloc again.
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin()
-        try:
-            for i in range(launches):
-                ops[i % len(ops)]()
-        finally:
-            graph.capture_end()
+    graph = capture_graph(ops, launches, stream)
     if after_capture is not None:
         after_capture()
     sample_ms = launches * rough_us / 1e3
