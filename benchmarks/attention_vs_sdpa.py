@@ -8,6 +8,7 @@ path in this run is reported with its ratios.
     python benchmarks/attention_vs_sdpa.py --space h100                      # hand-picked configs
     python benchmarks/attention_vs_sdpa.py --space h100 --leaderboard runs/<run> [--leaderboard runs/<run2>]
     python benchmarks/attention_vs_sdpa.py --space h100 --config PATH=wmma,BLOCK_M=64,...
+    python benchmarks/attention_vs_sdpa.py --space h100 --shape 8,16,4096,128 --only-shapes --config ...
 
 With --leaderboard, the candidates are, for each shape a run searched and each path, the
 --top (default 2) configurations with the shortest recorded times on that shape (searches
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", action="append", default=[], metavar="B,H,S,D",
                         help="also measure this shape, full and causal (repeatable), e.g. 8,16,4096,128; "
                              "B,H,S/S_KV,D for a K/V length other than S, e.g. 8,32,1/4096,128 (decode)")
+    parser.add_argument("--only-shapes", action="store_true",
+                        help="measure the --shape shapes only, not the space's own")
     parser.add_argument("--rounds", type=int, default=3,
                         help="re-time each shape's winners interleaved with the references this many rounds (0: no)")
     parser.add_argument("--retime-paths", default="mma,wgmma", help="the paths whose winners are re-timed (default mma,wgmma)")
@@ -150,8 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.shape:
         b, h, seq, d, seq_kv = parse_shape(text)
         extra += [Case(b, h, seq, d, causal, dtype=dtype, seq_kv=seq_kv) for dtype in space.dtypes for causal in (False, True)]
+    if args.only_shapes and not extra:
+        print("error: --only-shapes: give at least one --shape", file=sys.stderr)
+        return 2
     if extra:
-        space = dataclasses.replace(space, cases=tuple(dict.fromkeys(space.cases + tuple(extra))))
+        kept = () if args.only_shapes else space.cases
+        space = dataclasses.replace(space, cases=tuple(dict.fromkeys(kept + tuple(extra))))
     configs = [Config.parse(c) for c in args.config]
     configs += configs_from_leaderboards(args.leaderboard, args.top)
     if not configs:

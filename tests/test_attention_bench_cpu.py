@@ -99,3 +99,8 @@ def test_leaderboards_give_the_top_configurations_per_shape_and_path(bench, tmp_
     two = [(c["PATH"], c["BLOCK_N"]) for c in bench.configs_from_leaderboards([run], top=2)]
     assert sorted(one) == [64, 64, 128]          # A: wgmma 128, B: wgmma 64; mma 64 on both
     assert sorted(two) == [("mma", 64), ("wgmma", 64), ("wgmma", 128), ("wgmma", 192)]
+
+
+def test_only_shapes_needs_a_shape(bench, capsys) -> None:
+    assert bench.main(["--only-shapes"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --only-shapes: give at least one --shape"
