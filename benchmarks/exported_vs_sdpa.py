@@ -40,9 +40,9 @@ after the rounds:
   (latency; the median of max(10, --calls / 4));
 - graph µs: a model step, one call per input set (whole rotations, at least 8
   calls) captured in ONE CUDA graph; the graph replayed back to back, events
-  around the replays; µs per call, the median of 8 samples a round of
-  >= --calls calls and ~3 ms each. Each sample is taken right before or after
-  a sample of the device time's own graph (~3 ms too): graph_per_device is
+  around the replays; µs per call, the median of 8 samples a round, each of
+  >= 3 ms and >= --calls / 8 calls. Each sample is taken right before or
+  after a sample as long of the device time's own graph: graph_per_device is
   the median of these pairs' ratios;
 - graph1 µs (JSON, CSV and the ×sdpa line): one call per graph, one graph per
   input set, the graphs replayed in rotation; µs per call, median of the
@@ -103,7 +103,7 @@ EAGER_LOOP_MS = 30.0     # each loop at least this much device time (and at leas
 GRAPH_SAMPLES = 2        # graph1: samples per round, the median one reported
 GRAPH_SAMPLE_MS = 10.0   # each sample at least this much device time (and at least --calls calls)
 GRAPH_PAIRS = 8          # graph: samples per round, each next to a device sample (the median one reported)
-GRAPH_PAIR_MS = 3.0      # each graph and device sample at least this much device time (the graph's: and --calls calls)
+GRAPH_PAIR_MS = 3.0      # each graph and device sample at least this much device time (and --calls calls over the pairs)
 GRAPH_MIN_CALLS = 8      # calls captured in the graph of a model step, at least
 GRAPH_TOLERANCE = 0.05   # target (c): |graph speedup / device speedup - 1| at most this
 
@@ -258,10 +258,12 @@ def graph_times(fn: Callable[..., Any], sets: list[tuple], calls: int, device_us
 
     per_graph = len(sets) * math.ceil(GRAPH_MIN_CALLS / len(sets))
     step = capture_graph(ops, per_graph, stream)
-    replays = loop_calls(calls, device_us, GRAPH_PAIR_MS, per_graph) // per_graph
+    # a pair's two samples last alike: GRAPH_PAIR_MS at least, and --calls calls over the pairs
+    sample_us = max(GRAPH_PAIR_MS * 1e3, calls / GRAPH_PAIRS * device_us)
+    replays = max(1, math.ceil(sample_us / (per_graph * max(device_us, 1e-3))))
     launches = launches_per_sample(device_us, len(sets))
     device = capture_graph(ops, launches, stream)
-    device_replays = max(1, math.ceil(GRAPH_PAIR_MS * 1e3 / (launches * max(device_us, 1e-3))))
+    device_replays = max(1, math.ceil(sample_us / (launches * max(device_us, 1e-3))))
     with torch.cuda.stream(stream):
         step.replay()
         device.replay()
@@ -443,6 +445,8 @@ def speedups(rows: list[dict]) -> dict[str, float | None]:
     out = {c: paired_speedup(ours, sdpa, c) for c in ("device_us", "eager_us", "graph_us", "graph1_us", "host_us")
            if ours[c] > 0}
     out["overhead_evo_us"], out["overhead_sdpa_us"] = ours["overhead_us"], sdpa["overhead_us"]
+    out["graph_per_device_evo"] = ours.get("graph_per_device", math.nan)
+    out["graph_per_device_sdpa"] = sdpa.get("graph_per_device", math.nan)
     return out
 
 
@@ -459,7 +463,8 @@ def print_block(console: Any, title: str, rows: list[dict], ratio: dict, err: fl
     if ratio:
         console.print(f"  ×sdpa device {ratio['device_us']:.2f} eager {ratio['eager_us']:.2f} graph {ratio['graph_us']:.2f} "
                       f"graph1 {ratio['graph1_us']:.2f} host {ratio['host_us']:.2f}")
-        console.print(f"  overhead {ratio['overhead_evo_us']:.1f} µs, sdpa's {ratio['overhead_sdpa_us']:.1f} µs")
+        console.print(f"  overhead {ratio['overhead_evo_us']:.1f} µs, sdpa's {ratio['overhead_sdpa_us']:.1f} µs; "
+                      f"graph / device {ratio['graph_per_device_evo']:.3f}, sdpa's {ratio['graph_per_device_sdpa']:.3f}")
     if err is not None:
         console.print(f"  max abs error against fp32 SDPA: {err:.1e}")
 
@@ -687,7 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write results.json and results.csv here")
     parser.add_argument("--dtype", action="append", choices=DTYPES, help="fp16 and/or bf16 (default both)")
     parser.add_argument("--shape", action="append", help="only these shapes (names as listed in SHAPES, repeatable)")
-    parser.add_argument("--calls", type=int, default=200, help="calls per eager loop and per graph sample, at least")
+    parser.add_argument("--calls", type=int, default=200, help="calls per eager loop, per graph1 sample and over a "
+                        "round's graph samples, at least")
     parser.add_argument("--repetitions", type=int, default=50, help="graph replays per device-time measurement, "
                         "split over the rounds")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds of evo, evo op and sdpa, "
@@ -753,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
                     results.append({"shape": name, "dtype": dtype_name, "causal": causal, "batch": batch, "heads": heads,
                                     "heads_kv": heads_kv, "seq_q": seq_q, "seq_k": seq_k, "head_dim": head_dim,
                                     "config": plan["config"], "max_abs_err": err, **r,
-                                    **({f"speedup_{k}": v for k, v in ratio.items() if not k.startswith("overhead")}
+                                    **({f"speedup_{k}": v for k, v in ratio.items() if not k.startswith(("overhead", "graph_per"))}
                                        if r["impl"] == "evo" else {})})
                 del sets
                 torch.cuda.empty_cache()
