@@ -45,8 +45,8 @@ after the rounds:
   after a sample as long of the device time's own graph: graph_per_device is
   the median of these pairs' ratios;
 - graph1 µs (JSON, CSV and the ×sdpa line): one call per graph, one graph per
-  input set, the graphs replayed in rotation; µs per call, median of the
-  samples as above. Bounded by the graph launch for small kernels (the same few µs a
+  input set, the graphs replayed in rotation; µs per call, the median of 2
+  samples a round of >= --calls calls and ~10 ms each. Bounded by the graph launch for small kernels (the same few µs a
   replay, whoever's call it holds).
 
 Speedups are SDPA's time / ours (> 1: ours faster). The summary at the end
