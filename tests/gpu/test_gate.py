@@ -176,19 +176,26 @@ def test_adaptive_repetitions_stop_early_and_agree_with_all_of_them() -> None:
     q, k, v = (torch.randn(4, 16, 2048, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     op = sdpa_op("flash", q, k, v, False, None)
     time_graph([op], repetitions=300, warmup=10)  # settles the clocks
-    every = time_graph([op], repetitions=100, warmup=10)
-    for _ in range(3):  # a clock change mid-run may keep one attempt from converging
-        early = time_graph([op], repetitions=100, warmup=10, min_repetitions=20, precision=0.002)
-        if early.repetitions < 100:
-            break
-    again = time_graph([op], repetitions=100, warmup=10)
-    assert every.repetitions == 100 and 20 <= early.repetitions < 100, (every, early)
-    assert early.rel_stderr <= 0.002
     # After long suites the GPU's clock drifts between measurements (seen: 235 µs with all 100
-    # repetitions, then 248 µs, p20 241, adaptively): the early stop must agree, within 2%, with
-    # the full measurements taken just before and just after it, not with one of them alone.
-    low, high = min(every.median_us, again.median_us), max(every.median_us, again.median_us)
-    assert 0.98 * low <= early.median_us <= 1.02 * high, (every, early, again)
+    # repetitions, then 248 µs, p20 241, adaptively; and 238, then 255 over the 10 ms of an early
+    # stop, then 241): the early stop must agree, within 2%, with the full measurements taken just
+    # before and just after it, not with one of them alone, in one of three bracketed attempts.
+    attempts = []
+    for _ in range(3):
+        every = time_graph([op], repetitions=100, warmup=10)
+        for _ in range(3):  # a clock change mid-run may keep one attempt from converging
+            early = time_graph([op], repetitions=100, warmup=10, min_repetitions=20, precision=0.002)
+            if early.repetitions < 100:
+                break
+        again = time_graph([op], repetitions=100, warmup=10)
+        assert every.repetitions == 100 and 20 <= early.repetitions < 100, (every, early)
+        assert early.rel_stderr <= 0.002
+        low, high = min(every.median_us, again.median_us), max(every.median_us, again.median_us)
+        attempts.append((every.median_us, early.median_us, again.median_us))
+        if 0.98 * low <= early.median_us <= 1.02 * high:
+            break
+    else:
+        raise AssertionError(f"early stop outside its brackets in every attempt (before, early, after): {attempts}")
 
 
 def test_a_candidate_far_behind_the_best_stops_at_five_samples() -> None:
