@@ -618,3 +618,42 @@ def test_an_exported_tile_counter_kernel_gets_a_zeroed_counter_per_call(tmp_path
     assert [launch["tile_counter"] for launch in spec["launches"]] == [True]
     meta = json.loads((tmp_path / "out" / "kernel.json").read_text())
     assert [launch.get("tile_counter") for k in meta["kernels"] for launch in k["launches"]] == [True] * len(meta["kernels"])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_split_tail_kernel_declares_the_workspace_of_its_cut_tiles(head_dim: int) -> None:
+    """SPLIT_TAIL=1 (PERSISTENT=2, full attention): the launch says "split_tail", and the launchers
+    size WS from it where the work tiles outnumber the multiprocessors: the tile counter and one
+    counter per consumer warpgroup and CTA (zeroed), then the partials from a 16-byte boundary.
+    Causal renders the same configuration without the cuts; other persistence is refused."""
+    config = PERSISTENT.replace(PERSISTENT=2, O_TMA=1, REG_PRODUCER=32, REG_CONSUMER=232, SPLIT_TAIL=1)
+    full = render("flash_attention", config, Variant(head_dim, False))
+    causal = render("flash_attention", config, Variant(head_dim, True))
+    floats = 2 * 2 * 128 * (head_dim // 2 + 4)
+    launch = full.launches[0]
+    assert launch.split_tail == (2, floats) and causal.launches[0].split_tail is None
+    assert full.launch_metadata()["launches"][0]["split_tail"] == {"counter_words_per_cta": 2, "floats_per_cta": floats}
+    assert "split_tail" not in causal.launch_metadata()["launches"][0]
+    assert launch.counter_words(4, 16, 2048, 132) == (268 + 132 * floats, 265)   # 1024 tiles on 132 CTAs
+    assert launch.counter_words(1, 8, 512, 132) == (1, 1)                          # 32 tiles: nothing to cut
+    assert causal.launches[0].counter_words(4, 16, 2048, 132) == (1, 1)
+    for rendered in (full, causal):
+        compiled = compile_source(rendered.source, "sm_90a")
+        assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
+    assert "merge_cut" in full.source and "merge_cut" not in causal.source
+    with pytest.raises(RenderError, match="SPLIT_TAIL_REQUIRES_PERSISTENT_2"):
+        render("flash_attention", config.replace(PERSISTENT=1), Variant(64, False))
+
+
+def test_an_exported_split_tail_kernel_sizes_its_workspace_as_the_launch_says(tmp_path: Path) -> None:
+    config = PERSISTENT.replace(PERSISTENT=2, O_TMA=1, REG_PRODUCER=32, REG_CONSUMER=232, SPLIT_TAIL=1)
+    times = {label: {config: 100.0} for label in ("B4 H16 S2048 D64", "B4 H16 S2048 D128")}
+    export_runs([make_run(tmp_path / "run", times, sdpa={label: 120.0 for label in times})], tmp_path / "out")
+    module = load_module(tmp_path / "out")
+    module._multiprocessors = lambda device: 132   # the H100's multiprocessors, without a GPU to ask
+    for head_dim in (64, 128):
+        spec = module.KERNELS[("fp16", head_dim, False, config.key())]
+        launch = render("flash_attention", config, Variant(head_dim, False)).launches[0]
+        for shape in ((4, 16, 2048), (1, 8, 512), (1, 133, 128), (3, 5, 3000)):
+            assert module._counter_words(spec["launches"][0], *shape, 0) == launch.counter_words(*shape, 132)
+        assert "split_tail" not in module.KERNELS[("fp16", head_dim, True, config.key())]["launches"][0]

@@ -96,7 +96,10 @@ class AttentionKernel:
             ws_ptr = self._workspace.data_ptr()
         counter = None
         if self.rendered.tile_counter:  # zeroed on this stream before the launch, freed after it in stream order
-            counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+            launch = next(launch for launch in self.rendered.launches if launch.tile_counter)
+            words, zeroed = launch.counter_words(batch, heads, seq_q, multiprocessors(q.device))
+            counter = torch.empty(words, dtype=torch.int32, device=q.device)
+            counter[:zeroed].zero_()
             ws_ptr = counter.data_ptr()
         if self._maps is not None:
             values = argument_values(q, k, v, out, ws_ptr, scale * LOG2E)

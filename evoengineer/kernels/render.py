@@ -10,7 +10,10 @@ Each launch runs over ``grid = (ceil(S_q / rows_per_cta), B * H, grid_z)``, or, 
 ``"persistent": true``, over one CTA per multiprocessor at most (``(min(tiles, SMs), 1, 1)``,
 the kernel walks the ``ceil(S_q / rows_per_cta) * B * H`` work tiles itself), or, with
 ``"tile_counter": true`` (a persistent kernel whose CTAs take work tiles from a counter),
-with ``WS`` pointing to a 32-bit counter the launcher zeroes before every call; with
+with ``WS`` pointing to a 32-bit counter the launcher zeroes before every call (with
+``"split_tail": {"counter_words_per_cta": c, "floats_per_cta": f}``, where the work tiles
+outnumber the CTAs, to ``1 + CTAs * c`` zeroed words followed, from the next 16-byte boundary,
+by ``CTAs * f`` floats: the counters and partial results of tiles cut over several CTAs); with
 ``"pack_gqa": true``, over ``(ceil(S_q * H / H_kv / rows_per_cta), B * H_kv, grid_z)`` (the
 rows of a CTA are the query heads that share a K/V head, position by position); launches
 run in order with the same arguments (a split-K/V kernel followed by its combine
@@ -63,6 +66,20 @@ class Launch:
     persistent: bool = False
     pack_gqa: bool = False
     tile_counter: bool = False
+    split_tail: tuple[int, int] | None = None
+    """(counter words, floats) per CTA of a tile-counter kernel that cuts its last tiles over
+    every CTA (``"split_tail"``), else None."""
+
+    def counter_words(self, batch: int, heads: int, seq_q: int, sms: int) -> tuple[int, int]:
+        """(32-bit words of WS, how many of them are zeroed first) for a tile-counter launch on
+        ``sms`` multiprocessors: one counter, and with ``split_tail`` where the tiles outnumber
+        the CTAs, the counters and partials of the cut tiles."""
+        tiles = math.ceil(seq_q / self.rows_per_cta) * batch * heads
+        if self.split_tail is None or tiles <= sms:
+            return 1, 1
+        counters, floats = self.split_tail
+        zeroed = 1 + sms * counters
+        return (zeroed + 3) // 4 * 4 + sms * floats, zeroed
 
     def grid(self, batch: int, heads: int, seq_q: int, sms: int | None = None,
              heads_kv: int | None = None) -> tuple[int, int, int]:
@@ -168,7 +185,9 @@ class Rendered:
             "launches": [
                 {"kernel": l.kernel, "block": list(l.block), "smem": l.smem, "rows_per_cta": l.rows_per_cta, "grid_z": l.grid_z,
                  **({"persistent": True} if l.persistent else {}), **({"pack_gqa": True} if l.pack_gqa else {}),
-                 **({"tile_counter": True} if l.tile_counter else {})}
+                 **({"tile_counter": True} if l.tile_counter else {}),
+                 **({"split_tail": {"counter_words_per_cta": l.split_tail[0], "floats_per_cta": l.split_tail[1]}}
+                    if l.split_tail else {})}
                 for l in self.launches
             ],
             "workspace_floats_per_row": self.workspace_floats_per_row,
@@ -244,6 +263,12 @@ def declared_tensor_maps(source: str) -> list[TensorMapArg]:
     return _parse_metadata(source)[2]
 
 
+def _split_tail(meta: dict | None) -> tuple[int, int] | None:
+    if meta is None:
+        return None
+    return int(meta["counter_words_per_cta"]), int(meta["floats_per_cta"])
+
+
 def _parse_metadata(source: str) -> tuple[list[Launch], int, list[TensorMapArg]]:
     launches: list[Launch] = []
     workspace = 0
@@ -262,6 +287,7 @@ def _parse_metadata(source: str) -> tuple[list[Launch], int, list[TensorMapArg]]
                     persistent=bool(meta.get("persistent", False)),
                     pack_gqa=bool(meta.get("pack_gqa", False)),
                     tile_counter=bool(meta.get("tile_counter", False)),
+                    split_tail=_split_tail(meta.get("split_tail")),
                 )
             )
         elif stripped.startswith("// WORKSPACE_FLOATS_PER_ROW "):

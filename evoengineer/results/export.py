@@ -300,7 +300,9 @@ def _decode_note(per: PerShape, dispatch: dict) -> dict:
 def _launch(launch: Any) -> dict:
     return {"kernel": launch.kernel, "block": list(launch.block), "smem": launch.smem,
             "rows_per_cta": launch.rows_per_cta, "grid_z": launch.grid_z, "persistent": launch.persistent,
-            "pack_gqa": launch.pack_gqa, "tile_counter": launch.tile_counter}
+            "pack_gqa": launch.pack_gqa, "tile_counter": launch.tile_counter,
+            **({"split_tail": {"counter_words_per_cta": launch.split_tail[0], "floats_per_cta": launch.split_tail[1]}}
+               if launch.split_tail else {})}
 
 
 def _py(value: Any) -> str:

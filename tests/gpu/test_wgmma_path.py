@@ -224,6 +224,87 @@ def test_an_exported_wgmma_configuration_runs_through_the_module(tmp_path: Path,
         torch.testing.assert_close(captured.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+# SPLIT_TAIL (the last round's tiles cut over every CTA, full attention): the dtmao seed (ping-pong, O by
+# TMA), O from registers, overlap 2 with two Q buffers, without ping-pong, three consumer warpgroups, lazy rescale
+DTMAO = next(c for c in SPACE.search.seeds if c.get("PERSISTENT") == 2 and c.get("O_TMA") == 1)
+SPLIT_TAIL = [c.replace(SPLIT_TAIL=1) for c in (
+    DTMAO, DTMAO.replace(O_TMA=0), DTMAO.replace(INTRA_WG_OVERLAP=2, Q_STAGES=2),
+    DTMAO.replace(PINGPONG=0, BLOCK_N=176, REG_PRODUCER=24, REG_CONSUMER=240),
+    DYNAMIC[5], DTMAO.replace(LAZY_RESCALE=1))]
+
+
+def split_shapes(sms: int, rows: int) -> list[tuple[int, int, int, int, int]]:
+    """(B, H, H_kv, S_q, S_k) whose work tiles of ``rows`` query rows outnumber ``sms`` CTAs with
+    a last round that SPLIT_TAIL cuts (0 < tiles % sms <= 7 sms / 8): query blocks of one tile, of
+    several with rows past S_q, K/V lengths not a multiple of any tile, grouped K/V heads."""
+    out = []
+    for seq_q, seq_k, group in ((rows, 1500, 1), (1000, 1000, 1), (300, 2048, 4), (1000, 77, 2), (2 * rows, 4096, 1)):
+        blocks = -(-seq_q // rows)
+        heads = (sms // blocks + 1 + group - 1) // group * group
+        batch = 2 if seq_q == 300 else 1
+        tiles = batch * heads * blocks
+        assert tiles > sms and 0 < tiles % sms <= 7 * sms // 8, (seq_q, tiles, sms)
+        out.append((batch, heads, heads // group, seq_q, seq_k))
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("config", SPLIT_TAIL, ids=Config.short_label)
+def test_split_tail_cuts_the_last_tiles_over_every_cta_and_matches_sdpa(config: Config, head_dim: int) -> None:
+    """Each shape cuts its last round's tiles into one chunk per multiprocessor, pieces of two CTAs
+    merged by the second to finish; NaN-poisoned outputs, against fp32 SDPA, each shape twice (the
+    cuts' counters zeroed per call). Causal runs the same source without the cuts."""
+    import torch
+    import torch.nn.functional as F
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for causal in (False, True):
+        kernel = _kernel(config, Variant(head_dim, causal))
+        launch = kernel.rendered.launches[0]
+        assert (launch.split_tail is not None) == (not causal)
+        for batch, heads, heads_kv, seq_q, seq_k in split_shapes(sms, launch.rows_per_cta):
+            torch.manual_seed(seq_q + seq_k + heads)
+            q = torch.randn(batch, heads, seq_q, head_dim, device="cuda", dtype=torch.float16)
+            k, v = (torch.randn(batch, heads_kv, seq_k, head_dim, device="cuda", dtype=torch.float16) for _ in range(2))
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=True)
+            for _ in range(2):
+                out = torch.full_like(q, float("nan"))
+                kernel(q, k, v, out)
+                torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2,
+                                           msg=f"causal {causal} B{batch} H{heads}/{heads_kv} S_q {seq_q} S_k {seq_k}")
+
+
+def test_an_exported_split_tail_kernel_cuts_its_tiles_eagerly_and_in_a_graph(tmp_path: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+    from run_fixtures import load_module, make_run
+
+    from evoengineer.results import export_runs
+
+    best = SPLIT_TAIL[0]
+    times = {label: {best: 100.0} for label in ("B4 H16 S2048 D64", "B4 H16 S2048 D128")}
+    export_runs([make_run(tmp_path / "run", times, sdpa={label: 120.0 for label in times})], tmp_path / "out")
+    module = load_module(tmp_path / "out")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch, heads, heads_kv, seq_q, seq_k in split_shapes(sms, 128)[1:3]:
+        q = torch.randn(batch, heads, seq_q, 128, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(batch, heads_kv, seq_k, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+        plan = module.explain(q, k, v, enable_gqa=True)
+        assert plan["config"] == best.key() and plan["workspace_bytes"] > 4 * sms * 128 * 68
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+        torch.testing.assert_close(module.attention(q, k, v, enable_gqa=True).float(), ref, atol=2e-2, rtol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = module.attention(q, k, v, enable_gqa=True)
+    for _ in range(3):
+        for t in (q, k, v):
+            t.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+        torch.testing.assert_close(captured.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_the_search_evaluates_tma_configurations_as_it_evaluates_cpasync_ones() -> None:
     """Through the search's Evaluator: the gate in a worker process, then CUDA-graph timing with
     rotated inputs (the launch captured in a graph must write the output on its stream)."""
