@@ -59,7 +59,7 @@ class Config(Mapping[str, ParamValue]):
         intra-warpgroup overlap (``ov2``: INTRA_WG_OVERLAP=2), ``pp`` ping-pong, ``em`` EXP2_FMA
         (``em2``: 2 of 8 exponentials on the FMA units), ``qs2`` two Q buffers (Q_STAGES) and
         ``xt`` CROSS_TILE, ``pin`` SOFTMAX_PIN, ``lz`` LAZY_RESCALE,
-        ``ot`` O_TMA (where it is not in the path's name, below);
+        ``ot`` O_TMA (where it is not in the path's name, below), ``cut`` SPLIT_TAIL;
         with LOAD=tma (loads by the tensor memory accelerator) the path reads
         ``tma`` (``tma 128x128 st2 r24/240 ovl pp``), which keeps the label as short as its cp.async twin's,
         and ``ptma`` with PERSISTENT=1 as well (``ptma 128x176 st2 r24/240 ovl pp``: persistent CTAs),
@@ -149,6 +149,7 @@ _SHORT: tuple[tuple[str, str, ParamValue | None], ...] = (
     ("SOFTMAX_PIN", "pin", 0),
     ("LAZY_RESCALE", "lz", 0),
     ("O_TMA", "ot", 0),
+    ("SPLIT_TAIL", "cut", 0),
     ("LOAD", "", "cpasync"),
 )
 

@@ -229,21 +229,21 @@ def test_an_exported_wgmma_configuration_runs_through_the_module(tmp_path: Path,
 DTMAO = next(c for c in SPACE.search.seeds if c.get("PERSISTENT") == 2 and c.get("O_TMA") == 1)
 SPLIT_TAIL = [c.replace(SPLIT_TAIL=1) for c in (
     DTMAO, DTMAO.replace(O_TMA=0), DTMAO.replace(INTRA_WG_OVERLAP=2, Q_STAGES=2),
-    DTMAO.replace(PINGPONG=0, BLOCK_N=176, REG_PRODUCER=24, REG_CONSUMER=240),
+    DTMAO.replace(PINGPONG=0, O_TMA=0),
     DYNAMIC[5], DTMAO.replace(LAZY_RESCALE=1))]
 
 
 def split_shapes(sms: int, rows: int) -> list[tuple[int, int, int, int, int]]:
     """(B, H, H_kv, S_q, S_k) whose work tiles of ``rows`` query rows outnumber ``sms`` CTAs with
-    a last round that SPLIT_TAIL cuts (0 < tiles % sms <= 7 sms / 8): query blocks of one tile, of
+    a last round that SPLIT_TAIL cuts (0 < tiles % sms <= sms / 8): query blocks of one tile, of
     several with rows past S_q, K/V lengths not a multiple of any tile, grouped K/V heads."""
     out = []
-    for seq_q, seq_k, group in ((rows, 1500, 1), (1000, 1000, 1), (300, 2048, 4), (1000, 77, 2), (2 * rows, 4096, 1)):
+    for batch, seq_q, seq_k, group in ((1, rows, 1500, 1), (1, 1000, 1000, 1), (2, 300, 2048, 2), (1, 1000, 77, 2),
+                                       (1, 2 * rows, 4096, 1)):
         blocks = -(-seq_q // rows)
-        heads = (sms // blocks + 1 + group - 1) // group * group
-        batch = 2 if seq_q == 300 else 1
+        heads = -(-(sms + 1) // (batch * blocks * group)) * group   # the fewest heads whose tiles outnumber the CTAs
         tiles = batch * heads * blocks
-        assert tiles > sms and 0 < tiles % sms <= 7 * sms // 8, (seq_q, tiles, sms)
+        assert tiles > sms and 0 < tiles % sms <= sms // 8, (seq_q, tiles, sms)
         out.append((batch, heads, heads // group, seq_q, seq_k))
     return out
 
