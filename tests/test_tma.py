@@ -237,8 +237,12 @@ def test_persistent_varies_where_a_tma_producer_loads_and_each_has_its_twin() ->
     valid = list(SPACE.valid_configs())
     persistent = [c for c in valid if c["PERSISTENT"]]
     assert persistent and all(c["PATH"] == "wgmma" and c["PRODUCER"] == 1 and c["LOAD"] == "tma" for c in persistent)
-    assert all(SPACE.contains(c.replace(PERSISTENT=0, O_TMA=0)) for c in persistent)
+    assert all(SPACE.contains(c.replace(PERSISTENT=0, O_TMA=0, SPLIT_TAIL=0)) for c in persistent)
     assert any(c["BLOCK_N"] == 176 for c in persistent)
+    # SPLIT_TAIL only where the tiles come from the counter, each with its twin that does not cut
+    cut = [c for c in valid if c["SPLIT_TAIL"]]
+    assert cut and all(c["PERSISTENT"] == 2 and SPACE.contains(c.replace(SPLIT_TAIL=0)) for c in cut)
+    assert len(cut) == sum(1 for c in persistent if c["PERSISTENT"] == 2 and not c["SPLIT_TAIL"])
     # O_TMA only on persistent CTAs, each with its twin storing from registers; 32 KB more at D128
     stored = [c for c in valid if c["O_TMA"]]
     assert stored and all(c["PERSISTENT"] and SPACE.contains(c.replace(O_TMA=0)) for c in stored)

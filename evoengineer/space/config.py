@@ -59,13 +59,14 @@ class Config(Mapping[str, ParamValue]):
         intra-warpgroup overlap (``ov2``: INTRA_WG_OVERLAP=2), ``pp`` ping-pong, ``em`` EXP2_FMA
         (``em2``: 2 of 8 exponentials on the FMA units), ``qs2`` two Q buffers (Q_STAGES) and
         ``xt`` CROSS_TILE, ``pin`` SOFTMAX_PIN, ``lz`` LAZY_RESCALE,
-        ``ot`` O_TMA (where it is not in the path's name, below), ``cut`` SPLIT_TAIL;
+        ``ot`` O_TMA and ``cut`` SPLIT_TAIL (where they are not in the path's name, below);
         with LOAD=tma (loads by the tensor memory accelerator) the path reads
         ``tma`` (``tma 128x128 st2 r24/240 ovl pp``), which keeps the label as short as its cp.async twin's,
         and ``ptma`` with PERSISTENT=1 as well (``ptma 128x176 st2 r24/240 ovl pp``: persistent CTAs),
         ``ptmao`` with O_TMA=1 too (their O stored by TMA); ``dtma`` and ``dtmao`` with PERSISTENT=2
-        (persistent CTAs taking their work tiles from a counter). ``pp2`` is PINGPONG=2 (the turns
-        carried over work tiles).
+        (persistent CTAs taking their work tiles from a counter), ``stma`` and ``stmao`` with
+        SPLIT_TAIL=1 too (a short last round of tiles cut over every CTA). ``pp2`` is PINGPONG=2
+        (the turns carried over work tiles).
         """
         values = dict(self.items_)
         if values.get("PATH") == "wgmma":  # warpgroups instead of warps; the tile's rows give the consumers
@@ -83,6 +84,9 @@ class Config(Mapping[str, ParamValue]):
                 if values.get("PERSISTENT") in (1, 2):
                     # ... from persistent CTAs (``dtma``: taking their work tiles from a counter)
                     values["PATH"] = "ptma" if values.pop("PERSISTENT") == 1 else "dtma"
+                    if values["PATH"] == "dtma" and values.get("SPLIT_TAIL") == 1:
+                        values.pop("SPLIT_TAIL")
+                        values["PATH"] = "stma"  # ... which cut a short last round over every CTA (stream-K)
                     if values.get("O_TMA") == 1:
                         values.pop("O_TMA")
                         values["PATH"] += "o"  # ... which store O by TMA as well
