@@ -98,8 +98,11 @@ class AttentionKernel:
         if self.rendered.tile_counter:  # zeroed on this stream before the launch, freed after it in stream order
             launch = next(launch for launch in self.rendered.launches if launch.tile_counter)
             words, zeroed = launch.counter_words(batch, heads, seq_q, multiprocessors(q.device))
-            counter = torch.empty(words, dtype=torch.int32, device=q.device)
-            counter[:zeroed].zero_()
+            if words == zeroed:
+                counter = torch.zeros(words, dtype=torch.int32, device=q.device)
+            else:  # the cut tiles' partials need no zeroing
+                counter = torch.empty(words, dtype=torch.int32, device=q.device)
+                counter[:zeroed].zero_()
             ws_ptr = counter.data_ptr()
         if self._maps is not None:
             values = argument_values(q, k, v, out, ws_ptr, scale * LOG2E)
