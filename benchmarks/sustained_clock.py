@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ncu_profile import sdpa_call, seed_kernel
+from ncu_profile import MAX_ERROR, sdpa_call, seed_kernel
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -70,12 +70,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from evoengineer.gpu.timing import capture_graph, input_sets_for_cold_l2, launches_per_sample
     from evoengineer.space import parse_shape
 
     batch, heads, seq, head_dim, seq_kv = parse_shape(args.shape)
     torch.manual_seed(0)
     set_bytes = 2 * head_dim * (2 * batch * heads * seq + 2 * batch * heads * seq_kv)
-    sets = max(2, -(-3 * 50 * 2**20 // set_bytes))   # three times a 50 MB L2
+    sets = max(2, input_sets_for_cold_l2(set_bytes, flush_l2=True))
     inputs = []
     for _ in range(sets):
         q = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.float16)
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(highlight=False)
     for label, ops in list(kernels.items()):
         error = (ops[0]().float() - reference).abs().max().item()
-        if not error < 2e-2:
+        if not error < MAX_ERROR:
             console.print(f"[red]{label}: max |error| {error:.2e} against fp32 SDPA, left out[/]")
             del kernels[label]
     if not kernels:
@@ -122,13 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             end.record()
             end.synchronize()
             per_call_ms = start.elapsed_time(end) / len(ops)
-            launches = len(ops) * max(1, round(20 / (per_call_ms * len(ops))))   # about 20 ms a replay
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin()
-            for i in range(launches):
-                ops[i % len(ops)]()
-            graph.capture_end()
-            graphs[label] = (graph, launches, per_call_ms)
+            launches = launches_per_sample(per_call_ms * 1e3, len(ops), target_sample_us=20_000.0, max_launches=4096)
+            graphs[label] = (capture_graph(ops, launches, stream), launches, per_call_ms)
 
     figures: dict[str, list[dict]] = {label: [] for label in kernels}
     for _ in range(args.rounds):
