@@ -661,3 +661,38 @@ def test_an_exported_split_tail_kernel_sizes_its_workspace_as_the_launch_says(tm
         for shape in ((4, 16, 2048), (1, 8, 512), (1, 133, 128), (3, 5, 3000)):
             assert module._counter_words(spec["launches"][0], *shape, 0) == launch.counter_words(*shape, 132)
         assert "split_tail" not in module.KERNELS[("fp16", head_dim, True, config.key())]["launches"][0]
+
+
+DTMAO_SEED = next(c for c in SPACE.search.seeds if c["PATH"] == "wgmma" and c.get("PERSISTENT") == 2 and c.get("O_TMA") == 1
+                  and not c.get("SPLIT_TAIL"))
+
+
+@pytest.mark.parametrize("config", [SEED, DTMAO_SEED, PERSISTENT.replace(INTRA_WG_OVERLAP=2, PINGPONG=0)], ids=Config.short_label)
+@pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False)])
+def test_q_in_regs_feeds_q_k_from_registers_and_reads_k_alone_from_shared_memory(config: Config, head_dim: int, causal: bool) -> None:
+    """Q_IN_REGS=1: every Q K^T wgmma takes A (Q) from registers and B (K) K-major from shared memory,
+    so the SASS has no wgmma with both operands in shared memory; Q is read once per work tile, a
+    32-bit load per register (D / 4 a thread); nothing spills or serializes."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    counts = {}
+    for q_in_regs in (0, 1):
+        compiled = compile_source(render("flash_attention", config.replace(Q_IN_REGS=q_in_regs), Variant(head_dim, causal)).source, "sm_90a")
+        assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, (compiled.kernels, compiled.error)
+        sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
+        hgmma = re.findall(r"HGMMA\.64x\d+x16\.F32(?:\.BF16)? R\d+, (R\d+, )?gdesc\[UR\d+\](\.tnspB)?", sass)
+        counts[q_in_regs] = {"ss": sum(not a for a, _ in hgmma), "rs_kmajor": sum(bool(a) and not t for a, t in hgmma),
+                          "rs_v": sum(bool(a) and bool(t) for a, t in hgmma), "lds32": len(re.findall(r"\bLDS R\d+, ", sass))}
+    assert counts[0]["rs_kmajor"] == 0 and counts[0]["ss"] >= head_dim // 16, counts
+    assert counts[1]["ss"] == 0 and counts[1]["rs_kmajor"] == counts[0]["ss"], counts
+    assert counts[1]["rs_v"] == counts[0]["rs_v"] and counts[1]["lds32"] - counts[0]["lds32"] == head_dim // 4, counts
+
+
+def test_q_in_regs_needs_overlap_and_mbarriers_and_no_cross_tile() -> None:
+    for config in (SEED.replace(INTRA_WG_OVERLAP=0, PINGPONG=0), PERSISTENT.replace(CROSS_TILE=1),
+                   NO_PRODUCER.replace(LOAD="cpasync", INTRA_WG_OVERLAP=1)):
+        with pytest.raises(RenderError, match="Q_IN_REGS_REQUIRES_INTRA_WG_OVERLAP"):
+            render("flash_attention", config.replace(Q_IN_REGS=1), Variant(128, False))
+    assert "wgmma_rs_kmajor" not in render("flash_attention", SEED, Variant(64, False)).source
+    assert SEED.replace(Q_IN_REGS=1).short_label() == "tma 128x128 st2 q r24/240 ovl pp"

@@ -71,6 +71,12 @@ CARRIED = [c.replace(PINGPONG=2) for c in (PERSISTENT[0], O_TMA[0], OVERLAP2[1],
     SEEDS[2].replace(LOAD="tma", PERSISTENT=1, PINGPONG=2)]
 DYNAMIC = [c.replace(PERSISTENT=2) for c in (PERSISTENT[0], O_TMA[1], CARRIED[1], CROSS_TILE[0], OVERLAP2[4], PERSISTENT[3],
                                              CARRIED[4])]
+# Q_IN_REGS (Q K^T reads Q's A fragments from registers, the Q buffer given back at once): ping-pong or not,
+# persistent (both kinds, two Q buffers, carried turns), overlap 1 and 2, O by TMA, a cp.async producer,
+# TMA without a producer (128x192 at D128 spills with it: its scores and P leave no room for Q)
+Q_IN_REGS = [c.replace(Q_IN_REGS=1) for c in (TMA_SEED, PERSISTENT[0], OVERLAP2[1], O_TMA[1], DYNAMIC[1], CARRIED[1],
+                                        CROSS_TILE[0].replace(PERSISTENT=2), NEIGHBOURS[0],
+                                        TMA_SEED.replace(PRODUCER=0, REG_PRODUCER=0, REG_CONSUMER=0, PINGPONG=0, STAGES=3))]
 # ... plus 80 heads of 2048 keys: persistent CTAs run ten rounds of work tiles, the last one partial
 # (causal: in reverse, the snake order's odd round)
 SHAPES = [(1, 8, 512), (2, 3, 77), (1, 2, 5), (1, 1, 1), (1, 1, 257), (1, 2, 1000), (1, 2, 2048), (2, 40, 2048)]
@@ -92,7 +98,8 @@ def _kernel(config: Config, variant: Variant):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", CONFIGS + EXP2_FMA + CROSS_TILE + PINNED + LAZY + O_TMA + CARRIED + DYNAMIC, ids=Config.label)
+@pytest.mark.parametrize("config", CONFIGS + EXP2_FMA + CROSS_TILE + PINNED + LAZY + O_TMA + CARRIED + DYNAMIC + Q_IN_REGS,
+                         ids=Config.label)
 def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
     from evoengineer.gpu.evaluate import gate_launcher
 
@@ -230,7 +237,7 @@ DTMAO = next(c for c in SPACE.search.seeds if c.get("PERSISTENT") == 2 and c.get
 SPLIT_TAIL = [c.replace(SPLIT_TAIL=1) for c in (
     DTMAO, DTMAO.replace(O_TMA=0), DTMAO.replace(INTRA_WG_OVERLAP=2, Q_STAGES=2),
     DTMAO.replace(PINGPONG=0, O_TMA=0),
-    DYNAMIC[5], DTMAO.replace(LAZY_RESCALE=1))]
+    DYNAMIC[5], DTMAO.replace(LAZY_RESCALE=1), DTMAO.replace(Q_IN_REGS=1))]
 
 
 def split_shapes(sms: int, rows: int) -> list[tuple[int, int, int, int, int]]:
