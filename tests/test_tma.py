@@ -695,4 +695,4 @@ def test_q_in_regs_needs_overlap_and_mbarriers_and_no_cross_tile() -> None:
         with pytest.raises(RenderError, match="Q_IN_REGS_REQUIRES_INTRA_WG_OVERLAP"):
             render("flash_attention", config.replace(Q_IN_REGS=1), Variant(128, False))
     assert "wgmma_rs_kmajor" not in render("flash_attention", SEED, Variant(64, False)).source
-    assert SEED.replace(Q_IN_REGS=1).short_label() == "tma 128x128 st2 q r24/240 ovl pp"
+    assert SEED.replace(Q_IN_REGS=1).short_label() == "tma 128x128 st2 r24/240 ovq pp"

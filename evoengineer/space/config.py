@@ -56,7 +56,8 @@ class Config(Mapping[str, ParamValue]):
         On the wgmma path (``wgmma 128x192 st2 r24/240 ovl pp``) WARPS and VEC are unused
         and left out, the consumer warpgroups follow from BLOCK_M, ``pr`` is the producer
         warpgroup, ``r`` the setmaxnreg pair (producer/consumer, with a producer), ``ovl`` the
-        intra-warpgroup overlap (``ov2``: INTRA_WG_OVERLAP=2), ``pp`` ping-pong, ``em`` EXP2_FMA
+        intra-warpgroup overlap (``ov2``: INTRA_WG_OVERLAP=2; ``ovq`` and ``oq2`` the same with
+        Q_IN_REGS=1, Q K^T reading Q from registers), ``pp`` ping-pong, ``em`` EXP2_FMA
         (``em2``: 2 of 8 exponentials on the FMA units), ``qs2`` two Q buffers (Q_STAGES) and
         ``xt`` CROSS_TILE, ``pin`` SOFTMAX_PIN, ``lz`` LAZY_RESCALE,
         ``ot`` O_TMA and ``cut`` SPLIT_TAIL (where they are not in the path's name, below);
@@ -78,6 +79,10 @@ class Config(Mapping[str, ParamValue]):
             if values.get("REG_PRODUCER") and values.get("REG_CONSUMER") and values.get("PRODUCER") == 1:
                 values["SETMAXNREG"] = f"{values.pop('REG_PRODUCER')}/{values.pop('REG_CONSUMER')}"
                 values.pop("PRODUCER")  # register reallocation implies the producer warpgroup
+            if values.get("Q_IN_REGS") == 1 and values.get("INTRA_WG_OVERLAP") in (1, 2):
+                # Q in registers needs overlap on this path: one token for both (``ovq``, ``oq2``)
+                values.pop("Q_IN_REGS")
+                values["INTRA_WG_OVERLAP"] = "ovq" if values["INTRA_WG_OVERLAP"] == 1 else "oq2"
             if values.get("LOAD") == "tma":
                 values.pop("LOAD")
                 values["PATH"] = "tma"  # the wgmma path loading by TMA
@@ -102,7 +107,7 @@ class Config(Mapping[str, ParamValue]):
             if neutral == 0 and value in (1, True):  # an on/off switch: its letter alone
                 parts.append(prefix)
             elif name == "INTRA_WG_OVERLAP":  # ``ov2``: as long as ``ovl``, so labels keep within 32 characters
-                parts.append(f"ov{_text(value)}")
+                parts.append(value if isinstance(value, str) else f"ov{_text(value)}")
             else:
                 parts.append(f"{prefix}{_text(value)}")
         parts += [f"{name}={_text(value)}" for name, value in sorted(values.items())]
