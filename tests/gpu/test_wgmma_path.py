@@ -334,10 +334,13 @@ def test_the_search_evaluates_tma_configurations_as_it_evaluates_cpasync_ones() 
 BF16_SPACE = load_space("h100-bf16")
 BF16_SEEDS = [c for c in BF16_SPACE.search.seeds if c["PATH"] == "wgmma"]   # tma 128x128, persistent (O from registers and by TMA), cp.async 192x128
 
+# ... and those of them that take Q_IN_REGS (Q K^T reading bf16 Q fragments from registers)
+BF16_Q_IN_REGS = [c.replace(Q_IN_REGS=1) for c in BF16_SEEDS if BF16_SPACE.contains(c.replace(Q_IN_REGS=1))]
+
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("config", BF16_SEEDS, ids=Config.short_label)
+@pytest.mark.parametrize("config", BF16_SEEDS + BF16_Q_IN_REGS, ids=Config.short_label)
 def test_bf16_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
     from evoengineer.gpu.evaluate import gate_launcher
     from evoengineer.space import DEFAULT_TOLERANCES
