@@ -237,7 +237,23 @@ DTMAO = next(c for c in SPACE.search.seeds if c.get("PERSISTENT") == 2 and c.get
 SPLIT_TAIL = [c.replace(SPLIT_TAIL=1) for c in (
     DTMAO, DTMAO.replace(O_TMA=0), DTMAO.replace(INTRA_WG_OVERLAP=2, Q_STAGES=2),
     DTMAO.replace(PINGPONG=0, O_TMA=0),
-    DYNAMIC[5], DTMAO.replace(LAZY_RESCALE=1), DTMAO.replace(Q_IN_REGS=1))]
+    DYNAMIC[5], DTMAO.replace(LAZY_RESCALE=1), DTMAO.replace(Q_IN_REGS=1), DTMAO.replace(BLOCK_N=160))]
+# BLOCK_N 160 (ten key steps of 16; the largest K/V tile beside the O buffer at D128 with two stages): the dtmao
+# seed, with the registers of 240, overlap 2 without ping-pong, not persistent
+BLOCK_N_160 = [DTMAO.replace(BLOCK_N=160), DTMAO.replace(BLOCK_N=160, REG_PRODUCER=24, REG_CONSUMER=240),
+               DTMAO.replace(BLOCK_N=160, INTRA_WG_OVERLAP=2, PINGPONG=0, REG_PRODUCER=24, REG_CONSUMER=240),
+               TMA_SEED.replace(BLOCK_N=160)]
+
+
+def test_the_block_n_160_configurations_are_in_the_space() -> None:
+    assert all(SPACE.contains(c) for c in BLOCK_N_160 + SPLIT_TAIL[-1:])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", BLOCK_N_160, ids=Config.short_label)
+def test_block_n_160_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
+    test_wgmma_matches_sdpa(config, causal, head_dim)
 
 
 def split_shapes(sms: int, rows: int) -> list[tuple[int, int, int, int, int]]:
