@@ -7,6 +7,7 @@ On the GPU box, one launch of ours and one of cuDNN, each checked against fp32 S
         --section SpeedOfLight -o ours -f python benchmarks/ncu_profile.py launch \\
         --config PERSISTENT=2,O_TMA=1,REG_PRODUCER=32,REG_CONSUMER=232 --shape 4,16,2048,128
     ncu ... -o cudnn -f python benchmarks/ncu_profile.py launch --sdpa cudnn --shape 4,16,2048,128
+    ncu ... -o fa4 -f python benchmarks/ncu_profile.py launch --fa4 --shape 4,16,2048,128   # if installed
     ncu -i ours.ncu-rep --page source --csv --print-source sass > ours.csv      # and cudnn.csv
 
 Anywhere (no GPU), the two side by side:
@@ -120,6 +121,19 @@ def sdpa_call(backend: str, q, k, v, causal: bool):
     return run
 
 
+def fa4_call(q, k, v, causal: bool):
+    """flash-attn-4's forward (flash_attn.cute) on (B, S, H, D) copies of q, k, v, made once;
+    returns the output laid out (B, H, S, D)."""
+    from flash_attn.cute import flash_attn_func
+
+    q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+
+    def run():
+        out = flash_attn_func(q, k, v, causal=causal)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+    return run
+
+
 def seed_kernel(overrides: str | None, head_dim: int, causal: bool):
     """(short label, AttentionKernel) of the h100 space's TMA seed with ``overrides``
     (NAME=VALUE,...), compiled for the GPU present; SystemExit where it does not compile."""
@@ -153,6 +167,8 @@ def launch(args: argparse.Namespace) -> int:
     out = torch.empty_like(q)
     if args.sdpa:
         run, label = sdpa_call(args.sdpa, q, k, v, args.causal), f"SDPA {args.sdpa}"
+    elif args.fa4:
+        run, label = fa4_call(q, k, v, args.causal), "flash-attn-4"
     else:
         label, kernel = seed_kernel(args.config, head_dim, args.causal)
 
@@ -183,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     who = one.add_mutually_exclusive_group()
     who.add_argument("--config", help="NAME=VALUE,... over the h100 space's TMA seed (default: the seed)")
     who.add_argument("--sdpa", choices=("cudnn", "flash", "efficient"), help="an SDPA backend instead of ours")
+    who.add_argument("--fa4", action="store_true", help="flash-attn-4's forward (flash_attn.cute) instead of ours")
     summary = sub.add_parser("summary", help="warp-stall samples of ncu's source page (no GPU)")
     summary.add_argument("csv", nargs="+", type=Path, help="ncu -i REPORT --page source --csv --print-source sass > FILE")
     summary.add_argument("--kernel", default=".", help="regular expression of the kernel names to show (default: all)")

@@ -463,9 +463,9 @@ def test_the_ab_space_takes_template_only_pairs() -> None:
     assert plain.param_names == SPACE.param_names
 
 
-def _exponentials_before_the_pv_wait(sass: str) -> list[int]:
-    """For each P V in the SASS (HGMMA reading A from registers) followed by a wait that leaves one
-    group in flight (Q K^T's: INTRA_WG_OVERLAP=1), the MUFU.EX2 between that wait and the full one."""
+def _exponentials_before_the_pv_wait(sass: str, opcode: str = "MUFU.EX2") -> list[int]:
+    """For each wait in the SASS that leaves one group in flight (Q K^T's, P V's still running:
+    INTRA_WG_OVERLAP=1), the instructions of ``opcode`` between it and the next wait (P V's)."""
     lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
     out, i = [], 0
     while i < len(lines):
@@ -473,7 +473,7 @@ def _exponentials_before_the_pv_wait(sass: str) -> list[int]:
             j = i + 1
             while j < len(lines) and "WARPGROUP.DEPBAR" not in lines[j]:
                 j += 1
-            out.append(sum("MUFU.EX2" in line for line in lines[i:j]))
+            out.append(sum(f" {opcode} " in line for line in lines[i:j]))
             i = j
         i += 1
     return out
@@ -499,6 +499,42 @@ def test_softmax_pin_keeps_the_softmax_before_the_wait_for_p_v(config: Config, h
         under[pin] = _exponentials_before_the_pv_wait(sass)
     assert under[0] and max(under[0]) == 0, under
     assert under[1] and min(under[1]) >= config["BLOCK_N"] // 2 + 2, under
+
+
+DQ_SEED = next(c for c in SPACE.search.seeds if c["PATH"] == "wgmma" and c.get("PERSISTENT") == 2 and c.get("Q_IN_REGS") == 1)
+
+
+@pytest.mark.parametrize("config", [DQ_SEED, PERSISTENT.replace(O_TMA=1)], ids=Config.short_label)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_softmax_pin_2_and_3_keep_the_row_maximum_and_half_the_exponentials_before_the_wait(config: Config,
+                                                                                           head_dim: int) -> None:
+    """Without a pin ptxas waits for P V after a few of the row maximum's FMNMX. SOFTMAX_PIN=2 (a
+    store of the two rescale factors) keeps the whole maximum (BLOCK_N / 2 scores a thread) before
+    that wait; 3 (row g's sum and row g + 8's factor) keeps half the exponentials there as well."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    maxima, exponentials = {}, {}
+    for pin in (0, 2, 3):
+        compiled = compile_source(render("flash_attention", config.replace(SOFTMAX_PIN=pin), Variant(head_dim, False)).source,
+                                  "sm_90a")
+        assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
+        sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
+        maxima[pin] = _exponentials_before_the_pv_wait(sass, "FMNMX")
+        exponentials[pin] = _exponentials_before_the_pv_wait(sass)
+    half = config["BLOCK_N"] // 2
+    assert maxima[0] and max(maxima[0]) < half // 2, maxima
+    assert min(maxima[2]) >= half - 2 and min(maxima[3]) >= half - 2, maxima
+    assert min(exponentials[3]) >= half // 2, exponentials
+
+
+def test_softmax_pin_in_the_space_only_with_overlap_1_and_in_short_labels() -> None:
+    pinned = DQ_SEED.replace(SOFTMAX_PIN=3)
+    assert SPACE.contains(pinned) and SPACE.contains(DQ_SEED.replace(SOFTMAX_PIN=2))
+    assert not SPACE.contains(pinned.replace(SOFTMAX_PIN=1))
+    assert not SPACE.contains(pinned.replace(INTRA_WG_OVERLAP=2, PINGPONG=0))
+    assert pinned.short_label() == "dtmao 128x128 st2 r32/232 ovq3 pp"
+    assert PERSISTENT.replace(SOFTMAX_PIN=2).short_label() == "ptma 128x128 st2 r24/240 ovl2 pp"
 
 
 def test_softmax_pin_needs_overlap_and_mbarriers() -> None:

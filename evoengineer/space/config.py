@@ -57,7 +57,8 @@ class Config(Mapping[str, ParamValue]):
         and left out, the consumer warpgroups follow from BLOCK_M, ``pr`` is the producer
         warpgroup, ``r`` the setmaxnreg pair (producer/consumer, with a producer), ``ovl`` the
         intra-warpgroup overlap (``ov2``: INTRA_WG_OVERLAP=2; ``ovq`` and ``oq2`` the same with
-        Q_IN_REGS=1, Q K^T reading Q from registers), ``pp`` ping-pong, ``em`` EXP2_FMA
+        Q_IN_REGS=1, Q K^T reading Q from registers; ``ovl3``, ``ovq2``: with SOFTMAX_PIN 3 or 2,
+        the part of the softmax held before the wait for P V), ``pp`` ping-pong, ``em`` EXP2_FMA
         (``em2``: 2 of 8 exponentials on the FMA units), ``qs2`` two Q buffers (Q_STAGES) and
         ``xt`` CROSS_TILE, ``pin`` SOFTMAX_PIN, ``lz`` LAZY_RESCALE,
         ``ot`` O_TMA and ``cut`` SPLIT_TAIL (where they are not in the path's name, below);
@@ -83,6 +84,10 @@ class Config(Mapping[str, ParamValue]):
                 # Q in registers needs overlap on this path: one token for both (``ovq``, ``oq2``)
                 values.pop("Q_IN_REGS")
                 values["INTRA_WG_OVERLAP"] = "ovq" if values["INTRA_WG_OVERLAP"] == 1 else "oq2"
+            if values.get("SOFTMAX_PIN") in (1, 2, 3) and values.get("INTRA_WG_OVERLAP") in (1, "ovq"):
+                # the softmax held before the wait for P V: its digit after the overlap's (``ovl3``, ``ovq2``)
+                token = "ovl" if values["INTRA_WG_OVERLAP"] == 1 else "ovq"
+                values["INTRA_WG_OVERLAP"] = f"{token}{values.pop('SOFTMAX_PIN')}"
             if values.get("LOAD") == "tma":
                 values.pop("LOAD")
                 values["PATH"] = "tma"  # the wgmma path loading by TMA
@@ -106,7 +111,7 @@ class Config(Mapping[str, ParamValue]):
                 continue
             if neutral == 0 and value in (1, True):  # an on/off switch: its letter alone
                 parts.append(prefix)
-            elif name == "INTRA_WG_OVERLAP":  # ``ov2``: as long as ``ovl``, so labels keep within 32 characters
+            elif name == "INTRA_WG_OVERLAP":  # ``ov2``: as long as ``ovl``, so labels keep within 33 characters
                 parts.append(value if isinstance(value, str) else f"ov{_text(value)}")
             else:
                 parts.append(f"{prefix}{_text(value)}")

@@ -245,6 +245,14 @@ BLOCK_N_160 = [DTMAO.replace(BLOCK_N=160), DTMAO.replace(BLOCK_N=160, REG_PRODUC
                TMA_SEED.replace(BLOCK_N=160)]
 
 
+# SOFTMAX_PIN 2 and 3 (the row maximum, or it and half the exponentials, held before the wait for P V):
+# the seeds that take them, Q in registers and not, SPLIT_TAIL, persistent or not, ping-pong or not,
+# CROSS_TILE, three consumer warpgroups (and the seed with three from the counter)
+PIN_MAX = [c.replace(SOFTMAX_PIN=pin) for pin in (2, 3) for c in (
+    DTMAO.replace(Q_IN_REGS=1), SPLIT_TAIL[6], O_TMA[0].replace(Q_IN_REGS=1, REG_CONSUMER=232), PERSISTENT[0], TMA_SEED,
+    TMA_SEED.replace(PINGPONG=0, PERSISTENT=1), CROSS_TILE[1], SEEDS[2].replace(LOAD="tma"))] + [SPACE.search.seeds[-1]]
+
+
 def test_the_block_n_160_configurations_are_in_the_space() -> None:
     assert all(SPACE.contains(c) for c in BLOCK_N_160 + SPLIT_TAIL[-1:])
 
@@ -253,6 +261,13 @@ def test_the_block_n_160_configurations_are_in_the_space() -> None:
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("config", BLOCK_N_160, ids=Config.short_label)
 def test_block_n_160_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
+    test_wgmma_matches_sdpa(config, causal, head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", PIN_MAX, ids=Config.short_label)
+def test_softmax_pin_2_and_3_match_sdpa(config: Config, causal: bool, head_dim: int) -> None:
     test_wgmma_matches_sdpa(config, causal, head_dim)
 
 
