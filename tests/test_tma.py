@@ -448,17 +448,23 @@ def test_the_ab_space_takes_template_only_pairs() -> None:
     spec.loader.exec_module(wgmma_ab)
 
     found = wgmma_ab.pairs(["PERSISTENT=1", "PERSISTENT=1,INTRA_WG_OVERLAP=2", "PERSISTENT=1,CROSS_TILE=1"],
-                           wgmma_ab.parse_param("SOFTMAX_PIN=0,1"))
+                           wgmma_ab.parse_param("LAZY_RESCALE=0,1"))
     space = wgmma_ab.ab_space(list(wgmma_ab.SHAPES), 60.0, None, found)
     assert space.param_names[:len(SPACE.param_names)] == SPACE.param_names
-    assert sorted(space.param_names[len(SPACE.param_names):]) == ["CROSS_TILE", "SOFTMAX_PIN"]
-    assert space.param("SOFTMAX_PIN").values == (0, 1) and space.param("CROSS_TILE").values == (0, 1)
+    assert sorted(space.param_names[len(SPACE.param_names):]) == ["CROSS_TILE", "LAZY_RESCALE"]
+    assert space.param("LAZY_RESCALE").values == (0, 1) and space.param("CROSS_TILE").values == (0, 1)
     assert all(space.contains(c) for pair in found for c in pair.values()) and len(found) == 4
     # CROSS_TILE, set in one pair, is at its default (0) in the others: their labels do not change
     assert [pair["1"].short_label() for pair in found] == [
-        "tma 128x128 st2 r24/240 ovl pp pin", "ptma 128x128 st2 r24/240 ovl pp pin", "ptma 128x128 st2 r24/240 ov2 pp pin",
-        "ptma 128x128 st2 r24/240 ovl pp xt pin"]
+        "tma 128x128 st2 r24/240 ovl pp lz", "ptma 128x128 st2 r24/240 ovl pp lz", "ptma 128x128 st2 r24/240 ov2 pp lz",
+        "ptma 128x128 st2 r24/240 ovl pp xt lz"]
     assert not any(SPACE.contains(c) for pair in found for c in pair.values())
+    # a value the template takes and the space does not (SOFTMAX_PIN 1, every exponential held) is judged too
+    pinned = wgmma_ab.pairs(["PERSISTENT=1"], wgmma_ab.parse_param("SOFTMAX_PIN=1,3"))
+    assert [pair[k].short_label() for pair in pinned for k in ("1", "3")] == [
+        "tma 128x128 st2 r24/240 ovl1 pp", "tma 128x128 st2 r24/240 ovl3 pp",
+        "ptma 128x128 st2 r24/240 ovl1 pp", "ptma 128x128 st2 r24/240 ovl3 pp"]
+    assert [SPACE.contains(pair[k]) for pair in pinned for k in ("1", "3")] == [False, True, False, True]
     plain = wgmma_ab.ab_space(list(wgmma_ab.SHAPES), 60.0, None, wgmma_ab.pairs([]))
     assert plain.param_names == SPACE.param_names
 
