@@ -80,14 +80,8 @@ class Config(Mapping[str, ParamValue]):
             if values.get("REG_PRODUCER") and values.get("REG_CONSUMER") and values.get("PRODUCER") == 1:
                 values["SETMAXNREG"] = f"{values.pop('REG_PRODUCER')}/{values.pop('REG_CONSUMER')}"
                 values.pop("PRODUCER")  # register reallocation implies the producer warpgroup
-            if values.get("Q_IN_REGS") == 1 and values.get("INTRA_WG_OVERLAP") in (1, 2):
-                # Q in registers needs overlap on this path: one token for both (``ovq``, ``oq2``)
-                values.pop("Q_IN_REGS")
-                values["INTRA_WG_OVERLAP"] = "ovq" if values["INTRA_WG_OVERLAP"] == 1 else "oq2"
-            if values.get("SOFTMAX_PIN") in (1, 2, 3) and values.get("INTRA_WG_OVERLAP") in (1, "ovq"):
-                # the softmax held before the wait for P V: its digit after the overlap's (``ovl3``, ``ovq2``)
-                token = "ovl" if values["INTRA_WG_OVERLAP"] == 1 else "ovq"
-                values["INTRA_WG_OVERLAP"] = f"{token}{values.pop('SOFTMAX_PIN')}"
+            if values.get("INTRA_WG_OVERLAP") in (1, 2):
+                values["INTRA_WG_OVERLAP"] = _overlap_token(values)
             if values.get("LOAD") == "tma":
                 values.pop("LOAD")
                 values["PATH"] = "tma"  # the wgmma path loading by TMA
@@ -166,6 +160,20 @@ _SHORT: tuple[tuple[str, str, ParamValue | None], ...] = (
     ("SPLIT_TAIL", "cut", 0),
     ("LOAD", "", "cpasync"),
 )
+
+
+def _overlap_token(values: dict[str, ParamValue]) -> str:
+    """The wgmma path's token for INTRA_WG_OVERLAP 1 or 2 (``ovl``, ``ov2``), with the parameters
+    that need the overlap folded in and popped from ``values``: Q_IN_REGS=1 (``ovq``, ``oq2``) and,
+    with overlap 1, SOFTMAX_PIN's digit (``ovl3``, ``ovq2``)."""
+    overlap = values["INTRA_WG_OVERLAP"]
+    q_in_regs = values.get("Q_IN_REGS") == 1
+    if q_in_regs:
+        values.pop("Q_IN_REGS")
+    token = ("ovq" if q_in_regs else "ovl") if overlap == 1 else ("oq2" if q_in_regs else "ov2")
+    if overlap == 1 and values.get("SOFTMAX_PIN") in (1, 2, 3):
+        token += _text(values.pop("SOFTMAX_PIN"))
+    return token
 
 
 def _text(value: ParamValue) -> str:
