@@ -242,7 +242,7 @@ def test_persistent_varies_where_a_tma_producer_loads_and_each_has_its_twin() ->
     # SPLIT_TAIL only where the tiles come from the counter, each with its twin that does not cut
     cut = [c for c in valid if c["SPLIT_TAIL"]]
     assert cut and all(c["PERSISTENT"] == 2 and SPACE.contains(c.replace(SPLIT_TAIL=0)) for c in cut)
-    assert len(cut) == sum(1 for c in persistent if c["PERSISTENT"] == 2 and not c["SPLIT_TAIL"])
+    assert len(cut) == 2 * sum(1 for c in persistent if c["PERSISTENT"] == 2 and not c["SPLIT_TAIL"])   # 1 and 2
     # O_TMA only on persistent CTAs, each with its twin storing from registers; 32 KB more at D128
     stored = [c for c in valid if c["O_TMA"]]
     assert stored and all(c["PERSISTENT"] and SPACE.contains(c.replace(O_TMA=0)) for c in stored)
@@ -690,6 +690,66 @@ def test_a_split_tail_kernel_declares_the_workspace_of_its_cut_tiles(head_dim: i
     assert "merge_cut" in full.source and "merge_cut" not in causal.source
     with pytest.raises(RenderError, match="SPLIT_TAIL_REQUIRES_PERSISTENT_2"):
         render("flash_attention", config.replace(PERSISTENT=1), Variant(64, False))
+
+
+def test_split_tail_2_cuts_a_last_round_up_to_half_full_with_the_same_workspace() -> None:
+    """SPLIT_TAIL=2 cuts wherever the last round keeps at most half the CTAs busy (1: an eighth): the
+    same launch metadata and workspace (sized wherever the tiles outnumber the CTAs), its own label."""
+    one = PERSISTENT.replace(PERSISTENT=2, O_TMA=1, REG_PRODUCER=32, REG_CONSUMER=232, SPLIT_TAIL=1)
+    two = one.replace(SPLIT_TAIL=2)
+    assert (one.short_label(), two.short_label()) == ("stmao 128x128 st2 r32/232 ovl pp", "htmao 128x128 st2 r32/232 ovl pp")
+    for head_dim in (64, 128):
+        a, b = (render("flash_attention", c, Variant(head_dim, False)) for c in (one, two))
+        assert a.launches[0].split_tail == b.launches[0].split_tail is not None
+        assert "8 * r <= G" in a.source and "2 * r <= G" in b.source
+    compiled = compile_source(b.source, "sm_90a")
+    assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
+    with pytest.raises(RenderError, match="SPLIT_TAIL_REQUIRES_PERSISTENT_2"):
+        render("flash_attention", one.replace(SPLIT_TAIL=3), Variant(64, False))
+
+
+P_SMEM = PERSISTENT.replace(PERSISTENT=2, O_TMA=1, REG_PRODUCER=32, REG_CONSUMER=232, P_SMEM=1)
+
+
+@pytest.mark.parametrize("config, head_dim", [
+    (P_SMEM, 64), (P_SMEM.replace(BLOCK_N=64, Q_IN_REGS=1, SOFTMAX_PIN=3), 128),
+    (P_SMEM.replace(CONSUMER_WGS=3, BLOCK_M=192, BLOCK_N=192, REG_CONSUMER=160, PINGPONG=0, SOFTMAX_PIN=3), 64)],
+    ids=lambda v: v.short_label() if isinstance(v, Config) else f"D{v}")
+def test_p_smem_feeds_p_v_from_shared_memory_written_by_stmatrix(config: Config, head_dim: int) -> None:
+    """P_SMEM=1: every P V wgmma (N = D) reads A by descriptor, P written by stmatrix (one per 16 keys
+    a tile, in the loop and its first tile); the P tiles (whole 64-key panels a warpgroup) add to the
+    shared memory; 192x192 fits three warpgroups' 160 registers without spilling. Without it, A comes
+    from registers and nothing is stored by stmatrix."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    pv = rf"HGMMA\.64x{head_dim}x16\.F32 R\d+, (\S+),"
+    found = {}
+    for p_smem in (0, 1):
+        rendered = render("flash_attention", config.replace(P_SMEM=p_smem), Variant(head_dim, False))
+        compiled = compile_source(rendered.source, "sm_90a")
+        assert compiled.ok, compiled.error
+        if not p_smem and config["BLOCK_M"] == 192:   # 192x192 with P in registers spills: what P_SMEM makes room for
+            assert compiled.spill_bytes > 0, compiled.kernels
+        else:
+            assert compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
+        sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
+        found[p_smem] = (re.findall(pv, sass), len(re.findall(r"\bSTSM\.", sass)), rendered.launches[0].smem)
+    (a_regs, stsm0, smem0), (a_smem, stsm1, smem1) = found[0], found[1]
+    assert a_regs and all(a.startswith("R") for a in a_regs) and stsm0 == 0
+    assert a_smem and all(a.startswith("gdesc") for a in a_smem)
+    assert stsm1 >= 2 * config["BLOCK_N"] // 16
+    assert smem1 - smem0 == config["CONSUMER_WGS"] * 8192 * -(-config["BLOCK_N"] // 64)
+
+
+def test_p_smem_is_a_template_parameter_outside_the_space() -> None:
+    assert "P_SMEM" not in SPACE.param_names
+    assert P_SMEM.replace(P_SMEM=0, BLOCK_N=192).short_label() == "dtmao 128x192 st2 r32/232 ovl pp"
+    assert P_SMEM.replace(BLOCK_N=192).short_label() == "dtmao 128x192 st2 r32/232 svl pp"
+    assert P_SMEM.replace(INTRA_WG_OVERLAP=2, Q_IN_REGS=1).short_label() == "dtmao 128x128 st2 r32/232 sq2 pp"
+    assert P_SMEM.replace(INTRA_WG_OVERLAP=0, PINGPONG=0).short_label() == "dtmao 128x128 st2 r32/232 ps"
+    with pytest.raises(RenderError, match="P_SMEM_MUST_BE_0_OR_1_WITHOUT_CROSS_TILE"):
+        render("flash_attention", P_SMEM.replace(PERSISTENT=1, CROSS_TILE=1), Variant(64, False))
 
 
 def test_an_exported_split_tail_kernel_sizes_its_workspace_as_the_launch_says(tmp_path: Path) -> None:

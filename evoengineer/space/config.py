@@ -58,7 +58,8 @@ class Config(Mapping[str, ParamValue]):
         warpgroup, ``r`` the setmaxnreg pair (producer/consumer, with a producer), ``ovl`` the
         intra-warpgroup overlap (``ov2``: INTRA_WG_OVERLAP=2; ``ovq`` and ``oq2`` the same with
         Q_IN_REGS=1, Q K^T reading Q from registers; ``ovl3``, ``ovq2``: with SOFTMAX_PIN 3 or 2,
-        the part of the softmax held before the wait for P V), ``pp`` ping-pong, ``em`` EXP2_FMA
+        the part of the softmax held before the wait for P V; ``svl``, ``sq2``: with P_SMEM=1, P V
+        reading P from shared memory, ``ps`` without overlap), ``pp`` ping-pong, ``em`` EXP2_FMA
         (``em2``: 2 of 8 exponentials on the FMA units), ``qs2`` two Q buffers (Q_STAGES) and
         ``xt`` CROSS_TILE, ``pin`` SOFTMAX_PIN, ``lz`` LAZY_RESCALE,
         ``ot`` O_TMA and ``cut`` SPLIT_TAIL (where they are not in the path's name, below);
@@ -67,7 +68,8 @@ class Config(Mapping[str, ParamValue]):
         and ``ptma`` with PERSISTENT=1 as well (``ptma 128x176 st2 r24/240 ovl pp``: persistent CTAs),
         ``ptmao`` with O_TMA=1 too (their O stored by TMA); ``dtma`` and ``dtmao`` with PERSISTENT=2
         (persistent CTAs taking their work tiles from a counter), ``stma`` and ``stmao`` with
-        SPLIT_TAIL=1 too (a short last round of tiles cut over every CTA). ``pp2`` is PINGPONG=2
+        SPLIT_TAIL=1 too (a short last round of tiles cut over every CTA), ``htma`` and ``htmao`` with
+        SPLIT_TAIL=2 (a last round up to half full cut). ``pp2`` is PINGPONG=2
         (the turns carried over work tiles).
         """
         values = dict(self.items_)
@@ -88,9 +90,9 @@ class Config(Mapping[str, ParamValue]):
                 if values.get("PERSISTENT") in (1, 2):
                     # ... from persistent CTAs (``dtma``: taking their work tiles from a counter)
                     values["PATH"] = "ptma" if values.pop("PERSISTENT") == 1 else "dtma"
-                    if values["PATH"] == "dtma" and values.get("SPLIT_TAIL") == 1:
-                        values.pop("SPLIT_TAIL")
-                        values["PATH"] = "stma"  # ... which cut a short last round over every CTA (stream-K)
+                    if values["PATH"] == "dtma" and values.get("SPLIT_TAIL") in (1, 2):
+                        # ... which cut a short last round over every CTA (stream-K; ``htma``: up to half full)
+                        values["PATH"] = "stma" if values.pop("SPLIT_TAIL") == 1 else "htma"
                     if values.get("O_TMA") == 1:
                         values.pop("O_TMA")
                         values["PATH"] += "o"  # ... which store O by TMA as well
@@ -158,19 +160,24 @@ _SHORT: tuple[tuple[str, str, ParamValue | None], ...] = (
     ("LAZY_RESCALE", "lz", 0),
     ("O_TMA", "ot", 0),
     ("SPLIT_TAIL", "cut", 0),
+    ("P_SMEM", "ps", 0),
     ("LOAD", "", "cpasync"),
 )
 
 
 def _overlap_token(values: dict[str, ParamValue]) -> str:
     """The wgmma path's token for INTRA_WG_OVERLAP 1 or 2 (``ovl``, ``ov2``), with the parameters
-    that need the overlap folded in and popped from ``values``: Q_IN_REGS=1 (``ovq``, ``oq2``) and,
-    with overlap 1, SOFTMAX_PIN's digit (``ovl3``, ``ovq2``)."""
+    that need the overlap folded in and popped from ``values``: Q_IN_REGS=1 (``ovq``, ``oq2``),
+    P_SMEM=1 as the first letter (``svl``, ``sq2``: P V reads P from shared memory) and, with
+    overlap 1, SOFTMAX_PIN's digit (``ovl3``, ``ovq2``)."""
     overlap = values["INTRA_WG_OVERLAP"]
     q_in_regs = values.get("Q_IN_REGS") == 1
     if q_in_regs:
         values.pop("Q_IN_REGS")
     token = ("ovq" if q_in_regs else "ovl") if overlap == 1 else ("oq2" if q_in_regs else "ov2")
+    if values.get("P_SMEM") == 1:
+        values.pop("P_SMEM")
+        token = "s" + token[1:]
     if overlap == 1 and values.get("SOFTMAX_PIN") in (1, 2, 3):
         token += _text(values.pop("SOFTMAX_PIN"))
     return token

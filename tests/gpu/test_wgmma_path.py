@@ -237,7 +237,11 @@ DTMAO = next(c for c in SPACE.search.seeds if c.get("PERSISTENT") == 2 and c.get
 SPLIT_TAIL = [c.replace(SPLIT_TAIL=1) for c in (
     DTMAO, DTMAO.replace(O_TMA=0), DTMAO.replace(INTRA_WG_OVERLAP=2, Q_STAGES=2),
     DTMAO.replace(PINGPONG=0, O_TMA=0),
-    DYNAMIC[5], DTMAO.replace(LAZY_RESCALE=1), DTMAO.replace(Q_IN_REGS=1), DTMAO.replace(BLOCK_N=160))]
+    DYNAMIC[5], DTMAO.replace(LAZY_RESCALE=1), DTMAO.replace(Q_IN_REGS=1), DTMAO.replace(BLOCK_N=160))] + [
+    # SPLIT_TAIL=2 (a last round up to half full cut too): the seed, Q in registers with pin 3, and the
+    # three consumer warpgroups of D64 with pin 3
+    c.replace(SPLIT_TAIL=2) for c in (DTMAO, DTMAO.replace(Q_IN_REGS=1, SOFTMAX_PIN=3))]
+SPLIT_TAIL_D64 = [DTMAO.replace(CONSUMER_WGS=3, BLOCK_M=192, REG_CONSUMER=160, SOFTMAX_PIN=3, SPLIT_TAIL=2)]
 # BLOCK_N 160 (ten key steps of 16; the largest K/V tile beside the O buffer at D128 with two stages): the dtmao
 # seed, with the registers of 240, overlap 2 without ping-pong, not persistent
 BLOCK_N_160 = [DTMAO.replace(BLOCK_N=160), DTMAO.replace(BLOCK_N=160, REG_PRODUCER=24, REG_CONSUMER=240),
@@ -255,7 +259,7 @@ PIN_MAX = [c.replace(SOFTMAX_PIN=pin) for pin in (2, 3) for c in (
 
 
 def test_the_block_n_160_configurations_are_in_the_space() -> None:
-    assert all(SPACE.contains(c) for c in BLOCK_N_160 + SPLIT_TAIL[-1:])
+    assert all(SPACE.contains(c) for c in BLOCK_N_160 + SPLIT_TAIL[7:])
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -272,17 +276,44 @@ def test_softmax_pin_2_and_3_match_sdpa(config: Config, causal: bool, head_dim: 
     test_wgmma_matches_sdpa(config, causal, head_dim)
 
 
-def split_shapes(sms: int, rows: int) -> list[tuple[int, int, int, int, int]]:
+# P_SMEM (P V reads P from shared memory, written by stmatrix; a template parameter outside the space): on the 128-key seeds at D64 and D128 (ping-pong,
+# Q in registers with pin 3, a cut tail, overlap 2, persistent without the counter), and at D64 on the tiles of
+# three consumer warpgroups it makes room for (192x192 and 192x176 without ping-pong, 192x160 with it)
+P_SMEM = [DTMAO.replace(P_SMEM=1), DTMAO.replace(P_SMEM=1, Q_IN_REGS=1, SOFTMAX_PIN=3), DTMAO.replace(P_SMEM=1, SPLIT_TAIL=1),
+          DTMAO.replace(P_SMEM=1, INTRA_WG_OVERLAP=2, PINGPONG=0), TMA_SEED.replace(P_SMEM=1, PERSISTENT=1)]
+D3 = DTMAO.replace(CONSUMER_WGS=3, BLOCK_M=192, REG_CONSUMER=160, P_SMEM=1)
+P_SMEM_D64 = [D3.replace(BLOCK_N=192, PINGPONG=0, SOFTMAX_PIN=3), D3.replace(BLOCK_N=192, PINGPONG=0, INTRA_WG_OVERLAP=2),
+              D3.replace(BLOCK_N=176, PINGPONG=0, REG_PRODUCER=24), D3.replace(BLOCK_N=160, SOFTMAX_PIN=2),
+              D3.replace(SPLIT_TAIL=1, SOFTMAX_PIN=3)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", P_SMEM, ids=Config.short_label)
+def test_p_from_shared_memory_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
+    test_wgmma_matches_sdpa(config, causal, head_dim)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", P_SMEM_D64, ids=Config.short_label)
+def test_p_from_shared_memory_on_three_warpgroups_matches_sdpa(config: Config, causal: bool) -> None:
+    test_wgmma_matches_sdpa(config, causal, 64)
+
+
+def split_shapes(sms: int, rows: int, fuller: bool = False) -> list[tuple[int, int, int, int, int]]:
     """(B, H, H_kv, S_q, S_k) whose work tiles of ``rows`` query rows outnumber ``sms`` CTAs with
-    a last round that SPLIT_TAIL cuts (0 < tiles % sms <= sms / 8): query blocks of one tile, of
-    several with rows past S_q, K/V lengths not a multiple of any tile, grouped K/V heads."""
+    a last round that SPLIT_TAIL cuts (0 < tiles % sms <= sms / 8; ``fuller``: sms / 4 < tiles % sms
+    <= sms / 2, which only SPLIT_TAIL=2 cuts): query blocks of one tile, of several with rows past
+    S_q, K/V lengths not a multiple of any tile, grouped K/V heads."""
     out = []
     for batch, seq_q, seq_k, group in ((1, rows, 1500, 1), (1, 1000, 1000, 1), (2, 300, 2048, 2), (1, 1000, 77, 2),
                                        (1, 2 * rows, 4096, 1)):
         blocks = -(-seq_q // rows)
-        heads = -(-(sms + 1) // (batch * blocks * group)) * group   # the fewest heads whose tiles outnumber the CTAs
+        least = sms + (sms // 4 + 1 if fuller else 1)
+        heads = -(-least // (batch * blocks * group)) * group   # the fewest heads with that many tiles
         tiles = batch * heads * blocks
-        assert tiles > sms and 0 < tiles % sms <= sms // 8, (seq_q, tiles, sms)
+        low, high = (sms // 4, sms // 2) if fuller else (0, sms // 8)
+        assert tiles > sms and low < tiles % sms <= high, (seq_q, tiles, sms)
         out.append((batch, heads, heads // group, seq_q, seq_k))
     return out
 
@@ -293,6 +324,15 @@ def test_split_tail_cuts_the_last_tiles_over_every_cta_and_matches_sdpa(config: 
     """Each shape cuts its last round's tiles into one chunk per multiprocessor, pieces of two CTAs
     merged by the second to finish; NaN-poisoned outputs, against fp32 SDPA, each shape twice (the
     cuts' counters zeroed per call). Causal runs the same source without the cuts."""
+    _check_split_tail(config, head_dim)
+
+
+@pytest.mark.parametrize("config", SPLIT_TAIL_D64, ids=Config.short_label)
+def test_split_tail_2_on_three_warpgroups_matches_sdpa(config: Config) -> None:
+    _check_split_tail(config, 64)
+
+
+def _check_split_tail(config: Config, head_dim: int) -> None:
     import torch
     import torch.nn.functional as F
 
@@ -301,7 +341,10 @@ def test_split_tail_cuts_the_last_tiles_over_every_cta_and_matches_sdpa(config: 
         kernel = _kernel(config, Variant(head_dim, causal))
         launch = kernel.rendered.launches[0]
         assert (launch.split_tail is not None) == (not causal)
-        for batch, heads, heads_kv, seq_q, seq_k in split_shapes(sms, launch.rows_per_cta):
+        shapes = split_shapes(sms, launch.rows_per_cta)
+        if config["SPLIT_TAIL"] == 2:
+            shapes += split_shapes(sms, launch.rows_per_cta, fuller=True)
+        for batch, heads, heads_kv, seq_q, seq_k in shapes:
             torch.manual_seed(seq_q + seq_k + heads)
             q = torch.randn(batch, heads, seq_q, head_dim, device="cuda", dtype=torch.float16)
             k, v = (torch.randn(batch, heads_kv, seq_k, head_dim, device="cuda", dtype=torch.float16) for _ in range(2))
