@@ -135,7 +135,7 @@ def load_recording(path: str, keep_seeds: bool = False) -> Recording:
     replay = ReplayEvaluator(path)
     space = replay.space()
     if not keep_seeds:
-        space = dataclasses.replace(space, search=dataclasses.replace(space.search, seeds=()))
+        space = dataclasses.replace(space, search=dataclasses.replace(space.search, seeds=(), listed_seeds=()))
     valid = tuple(space.valid_configs())
     values = {}
     for config in valid:

@@ -168,6 +168,36 @@ def test_seeds_are_in_the_space() -> None:
     for name in ("l4", "h100"):
         space = load_space(name)
         assert space.search.seeds and all(space.contains(s) for s in space.search.seeds)
+        narrowed = [space.with_shapes([shape]) for shape in dict.fromkeys(c.shape for c in space.cases)]
+        for seed in space.search.listed_seeds:  # each valid in the space, or where it is narrowed to a head dim
+            assert any(seed in s.search.seeds for s in [space, *narrowed]), seed.label()
+
+
+def test_a_seed_valid_at_one_head_dim_joins_searches_narrowed_to_it() -> None:
+    """h100 lists a 192x128 tile whose accumulators fit 160 registers at D64 only: the whole space
+    (D64 and D128) leaves it out of its seeds, a space narrowed to a D64 shape takes it, in the file's
+    order, and one narrowed to D128 does not."""
+    space = load_space("h100")
+    d64_only = [s for s in space.search.listed_seeds if s not in space.search.seeds]
+    assert d64_only and all(s["BLOCK_N"] == 128 and s["REG_CONSUMER"] == 160 and s["CONSUMER_WGS"] == 3 for s in d64_only)
+    assert all(any("REG_CONSUMER" in v for v in space.violations(s)) for s in d64_only)
+    d64, d128 = space.with_shapes([(4, 16, 2048, 64)]), space.with_shapes([(4, 16, 2048, 128)])
+    assert d64.search.seeds == tuple(s for s in space.search.listed_seeds if d64.contains(s))
+    assert set(d64_only) <= set(d64.search.seeds) and set(space.search.seeds) <= set(d64.search.seeds)
+    assert d128.search.seeds == space.search.seeds
+    assert not set(d64_only) & set(space.with_shapes([], [(8, 16, 4096, 128)]).search.seeds)
+    # another arch drops the wgmma seeds with the path itself
+    assert {s["PATH"] for s in space.for_arch("sm_89").search.seeds} == {"scalar", "wmma", "mma"}
+
+
+def test_a_seed_outside_the_space_at_every_head_dim_is_refused(space_file) -> None:
+    def edit(d: dict) -> None:
+        d["problem"]["shapes"].append({"B": 1, "H": 8, "S": 512, "D": 128, "causal": [False, True]})
+        d["search"]["seeds"] = [{"PATH": "wmma", "BLOCK_M": 16, "WARPS": 8}]
+
+    with pytest.raises(SpaceError) as err:
+        load_space(space_file(edit))
+    assert "search.seeds[0]: seed is outside the space at every head dim" in str(err.value)
 
 
 def test_shipped_shapes() -> None:

@@ -185,6 +185,11 @@ class SearchSettings:
     top_k: int = 5
     population: int = 16
     seeds: tuple[Config, ...] = ()
+    """The listed seeds this space contains: generation 0 of the evolutionary strategy."""
+    listed_seeds: tuple[Config, ...] = ()
+    """Every seed the file lists, in its order. A seed valid at one head dim of the space only
+    (a D64 tile too large for D128's registers) joins ``seeds`` where ``--shape`` narrows the
+    space to that head dim."""
 
 
 @dataclass(frozen=True)
@@ -249,7 +254,12 @@ class Space:
                                  f"is not one of the space's ({', '.join(map(str, dims))})")
             flags = (False, True) if s == s_kv else (False,)
             cases += [Case(b, h, s, d, causal, dtype=dtype, seq_kv=s_kv) for dtype in self.dtypes for causal in flags]
-        return replace(self, cases=tuple(cases))
+        return replace(self, cases=tuple(cases)).reseeded()
+
+    def reseeded(self) -> "Space":
+        """This space with ``search.seeds`` re-chosen from the listed seeds: those it contains."""
+        seeds = tuple(s for s in self.search.listed_seeds if self.contains(s))
+        return replace(self, search=replace(self.search, seeds=seeds))
 
     @property
     def variants(self) -> tuple[Variant, ...]:
@@ -276,11 +286,14 @@ class Space:
     def for_arch(self, arch: str) -> "Space":
         """The space compiled for another arch (``check --arch``, a search on another GPU): its
         constraints then see that ``ARCH``/``ARCH_NAME``, so arch-specific paths drop out."""
-        return self if arch == self.target.arch else replace(self, target=replace(self.target, arch=arch))
+        return self if arch == self.target.arch else replace(self, target=replace(self.target, arch=arch)).reseeded()
 
-    def violations(self, config: Mapping[str, ParamValue]) -> list[str]:
-        """Constraint texts that ``config`` breaks (empty when valid)."""
+    def violations(self, config: Mapping[str, ParamValue], head_dim: int | None = None) -> list[str]:
+        """Constraint texts that ``config`` breaks (empty when valid); with ``head_dim``, those it
+        breaks in this space narrowed to the shapes of that head dim."""
         env = {**self.environment(), **config}
+        if head_dim is not None:
+            env.update(MAX_HEAD_DIM=head_dim, MIN_HEAD_DIM=head_dim)
         return [c.text for c in self.constraints if not c.expression(env)]
 
     def contains(self, config: Mapping[str, ParamValue]) -> bool:
@@ -484,9 +497,9 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
         time_s=time_s,
         top_k=v.integer(se.get("top_k", 5), "search.top_k", minimum=1),
         population=v.integer(se.get("population", 16), "search.population", minimum=2),
-        seeds=seeds,
+        listed_seeds=seeds,
     )
-    return Space(**{**space.__dict__, "search": settings})
+    return Space(**{**space.__dict__, "search": settings}).reseeded()
 
 
 def _parse_dtypes(v: "_Validator", raw: Any) -> tuple[str, ...]:
@@ -610,8 +623,10 @@ def _parse_seed(v: "_Validator", space: Space, raw: Any, key: str) -> Config:
         if values[p.name] not in p.values:
             v.fail(f"{key}.{p.name}", f"{values[p.name]!r} is not one of {list(p.values)}")
     broken = space.violations(values)
-    if broken:
-        v.fail(key, f"seed is outside the space: violates {broken[0]!r}")
+    dims = sorted({c.head_dim for c in space.cases})
+    if broken and all(space.violations(values, head_dim=d) for d in dims):
+        where = "" if len(dims) == 1 else " at every head dim"
+        v.fail(key, f"seed is outside the space{where}: violates {broken[0]!r}")
     return Config(values)
 
 

@@ -241,7 +241,9 @@ SPLIT_TAIL = [c.replace(SPLIT_TAIL=1) for c in (
     # SPLIT_TAIL=2 (a last round up to half full cut too): the seed, Q in registers with pin 3, and the
     # three consumer warpgroups of D64 with pin 3
     c.replace(SPLIT_TAIL=2) for c in (DTMAO, DTMAO.replace(Q_IN_REGS=1, SOFTMAX_PIN=3))]
-SPLIT_TAIL_D64 = [DTMAO.replace(CONSUMER_WGS=3, BLOCK_M=192, REG_CONSUMER=160, SOFTMAX_PIN=3, SPLIT_TAIL=2)]
+# and the seeds valid at D64 only (searches narrowed to a D64 shape start from them)
+SPLIT_TAIL_D64 = [DTMAO.replace(CONSUMER_WGS=3, BLOCK_M=192, REG_CONSUMER=160, SOFTMAX_PIN=3, SPLIT_TAIL=2),
+                  *(c for c in SPACE.search.listed_seeds if c not in SPACE.search.seeds)]
 # BLOCK_N 160 (ten key steps of 16; the largest K/V tile beside the O buffer at D128 with two stages): the dtmao
 # seed, with the registers of 240, overlap 2 without ping-pong, not persistent
 BLOCK_N_160 = [DTMAO.replace(BLOCK_N=160), DTMAO.replace(BLOCK_N=160, REG_PRODUCER=24, REG_CONSUMER=240),
