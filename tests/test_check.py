@@ -52,6 +52,31 @@ def test_check_json_summary_and_exit_code(tmp_path: Path) -> None:
     assert len(data["configs"]) == 4 and all(c["registers"] > 0 for c in data["configs"])
 
 
+D64_ONLY = ("PATH == 'wgmma' and CONSUMER_WGS == 3 and BLOCK_N == 128 and REG_PRODUCER == 24 and SPLIT_TAIL == 2 "
+            "and INTRA_WG_OVERLAP == 1 and PINGPONG == 1 and SOFTMAX_PIN == 3 and O_TMA == 1 and STAGES == 2")
+
+
+def test_check_shape_narrows_the_space_as_search_does(tmp_path: Path) -> None:
+    """The h100 space's 192x128 tiles with 160 consumer registers are valid at D64 only: a check of the
+    whole space has none of them, one narrowed by --shape to a D64 shape compiles them for D64 alone."""
+    def check(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "evoengineer", "check", "--space", "h100", "--where", D64_ONLY,
+                               "--json", "--quiet", *extra], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+
+    whole = check()
+    assert whole.returncode == 0, whole.stderr
+    assert json.loads(whole.stdout)["summary"]["valid"] == 0
+    narrowed = check("--shape", "4,16,2048,64")
+    assert narrowed.returncode == 0, narrowed.stderr
+    data = json.loads(narrowed.stdout)
+    assert data["summary"]["variants"] == ["D64", "D64-causal"]
+    assert data["summary"]["valid"] == data["summary"]["compiled"] >= 1 and data["summary"]["failed"] == 0
+    assert {c["config"]["BLOCK_M"] for c in data["configs"]} == {192}
+    assert all(c["registers"] <= 160 and c["spill_bytes"] == 0 for c in data["configs"]), data["configs"]
+    wrong = check("--shape", "4,16,2048,96")
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "--shape" in wrong.stderr, wrong.stderr
+
+
 SPILLING = r"""
 extern "C" __global__ void __launch_bounds__(THREADS) spill(const float* in, float* out, int n) {
     float acc[160];

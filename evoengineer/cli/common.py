@@ -23,6 +23,20 @@ def load_space(spec: str) -> Space:
     return _load(spec)
 
 
+def restrict_shapes(space: Space, shapes: list[str] | None, added: list[str] | None = None) -> Space:
+    """The space cut down to ``--shape`` entries (all of its shapes when none are given), plus
+    the ``--add-shape`` ones (then only those, without ``--shape``)."""
+    from ..space import parse_shape
+
+    if not shapes and not added:
+        return space
+    flag = "--add-shape" if added and not shapes else "--shape"
+    try:
+        return space.with_shapes([parse_shape(s) for s in shapes or ()], [parse_shape(s) for s in added or ()])
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+
+
 def require_gpu() -> None:
     try:
         import torch

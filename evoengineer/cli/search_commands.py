@@ -24,8 +24,8 @@ from ..search import (
     recover_interrupted,
     run_search,
 )
-from ..space import STRATEGIES, Config, Space, parse_duration, parse_shape
-from .common import EXIT_FAILED, EXIT_OK, WIDE_HELP, UsageError, load_space, require_gpu
+from ..space import STRATEGIES, Config, Space, parse_duration
+from .common import EXIT_FAILED, EXIT_OK, WIDE_HELP, UsageError, load_space, require_gpu, restrict_shapes
 
 DEFAULT_RUNS = Path("runs")
 
@@ -35,18 +35,6 @@ def _latest_run(root: Path, space: Space) -> Path:
     if not runs:
         raise UsageError(f"--resume: no run of space {space.name!r} under {root}/; give --run-dir")
     return runs[-1]
-
-
-def _restrict_shapes(space: Space, shapes: list[str] | None, added: list[str] | None = None) -> Space:
-    """The space cut down to ``--shape`` entries (all of its shapes when none are given), plus
-    the ``--add-shape`` ones (then only those, without ``--shape``)."""
-    if not shapes and not added:
-        return space
-    flag = "--add-shape" if added and not shapes else "--shape"
-    try:
-        return space.with_shapes([parse_shape(s) for s in shapes or ()], [parse_shape(s) for s in added or ()])
-    except ValueError as exc:
-        raise UsageError(f"{flag}: {exc}") from None
 
 
 def _parse_devices(args: argparse.Namespace) -> list[int]:
@@ -100,9 +88,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         if args.add_shape and sorted(args.add_shape) != sorted(meta.get("added_shapes") or []):
             raise UsageError(f"--resume: the run in {path} added shapes {meta.get('added_shapes') or 'none'}; "
                              "resume it without --add-shape")
-        space = _restrict_shapes(space, meta.get("shapes"), meta.get("added_shapes"))
+        space = restrict_shapes(space, meta.get("shapes"), meta.get("added_shapes"))
     else:
-        space = _restrict_shapes(space, args.shape, args.add_shape)
+        space = restrict_shapes(space, args.shape, args.add_shape)
         strategy, seed = args.strategy or space.search.strategy, args.seed
         if args.run_dir:
             path = Path(args.run_dir)

@@ -9,7 +9,7 @@ import time
 
 from rich.console import Console
 
-from .common import EXIT_FAILED, EXIT_OK, WIDE_HELP, UsageError, load_space
+from .common import EXIT_FAILED, EXIT_OK, WIDE_HELP, UsageError, load_space, restrict_shapes
 
 
 def _console(args: argparse.Namespace | None = None) -> Console:
@@ -29,6 +29,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         arch = normalize_arch(args.arch or space.target.arch)
     except ValueError as exc:
         raise UsageError(f"--arch: {exc}") from None
+    space = restrict_shapes(space, args.shape, args.add_shape)
     space = space.for_arch(arch)  # constraints on ARCH/ARCH_NAME see the arch compiled for
     started = time.perf_counter()
     valid = list(space.valid_configs())
@@ -121,6 +122,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, metavar="N", help="check N configurations sampled at random (default: all)")
     p.add_argument("--where", metavar="EXPR", help="only the configurations for which EXPR holds, an expression in the "
                    "constraints' language, e.g. \"PATH == 'wgmma'\"")
+    p.add_argument("--shape", action="append", metavar="B,H,S,D",
+                   help="the space narrowed to this shape, as `search --shape` narrows it (repeatable): its head dims "
+                        "only, so the configurations valid there alone are checked too, e.g. --shape 4,16,2048,64 "
+                        "for the 192x128 tiles that fit at D64 and not D128")
+    p.add_argument("--add-shape", action="append", metavar="B,H,S,D", dest="add_shape",
+                   help="the space with this shape added, as `search --add-shape` adds it (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed for --limit sampling (default 0)")
     p.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: one per core)")
     p.add_argument("--json", action="store_true", help="print one JSON object {summary, configs} instead of tables")
