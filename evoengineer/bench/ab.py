@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..kernels import StaticReport, build_config
 from ..resources import templates_dir
@@ -132,8 +132,9 @@ def round_timing(timing: dict, repetitions: int | None) -> dict:
 
 
 def run_ab(evaluator: Any, sides: tuple[Side, Side], rounds: int, repetitions: int | None = None,
-           say: Any = None) -> dict:
-    """Gate both sides and time them in interleaved rounds on every case of the evaluator's space.
+           say: Callable[[str], None] | None = None, build: Callable[[Space, Side, str], Any] = build_side) -> dict:
+    """Gate both sides and time them in interleaved rounds on every case of the evaluator's space
+    (each side's kernels from ``build``, ``build_side`` unless given).
 
     Returns ``{"sides": [...], "cases": {label: {name: [µs per round]}}}``; a side whose build,
     gate or timing fails carries its status and reason and is not timed again."""
@@ -142,7 +143,7 @@ def run_ab(evaluator: Any, sides: tuple[Side, Side], rounds: int, repetitions: i
     reports: dict[str, StaticReport] = {}
     out_sides: list[dict] = []
     for side in sides:
-        report = build_side(space, side, evaluator.arch)
+        report = build(space, side, evaluator.arch)
         result = evaluator.evaluate(side.config, report)
         out_sides.append({"name": side.name, "config": side.config.to_dict(), "label": side.config.short_label(),
                           "templates": str(side.templates) if side.templates else None, "status": result.status,

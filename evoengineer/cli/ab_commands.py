@@ -9,26 +9,34 @@ from pathlib import Path
 from ..space import Config
 from .common import EXIT_FAILED, EXIT_OK, UsageError, load_space, parse_config, require_gpu, restrict_shapes
 
+_DESCRIPTION = """\
+Time a configuration (A) against its neighbour in one parameter (--param),
+another configuration (--against) or itself rendered from a git revision's
+templates (--before), in one process: both gated against fp32 SDPA, then timed
+in interleaved rounds; one table of paired ratios B/A."""
+
 _EPILOG = """\
 examples:
-  # BLOCK_N against the next value of BLOCK_N the space allows, 5 rounds
-  evoengineer ab --space h100 --config PATH=mma,BLOCK_M=128,BLOCK_N=64,WARPS=4,VEC=8 \\
-      --param BLOCK_N --rounds 5
-  # one parameter, both values given (A: LOAD=cpasync, B: LOAD=tma)
-  evoengineer ab --space h100 --config PATH=wgmma,... --param LOAD=cpasync,tma
+  # BLOCK_N=64 against the next BLOCK_N the space allows, 5 rounds
+  evoengineer ab --space h100 --rounds 5 --param BLOCK_N \\
+      --config PATH=mma,BLOCK_M=64,BLOCK_N=64,WARPS=4,VEC=8,P_IN_REGS=1
+  # both values given: A has STAGES=1, B STAGES=2
+  evoengineer ab --space h100 --param STAGES=1,2 --config PATH=mma,...
   # two configurations
   evoengineer ab --space h100 --config PATH=mma,... --against PATH=wgmma,...
-  # a template change: the same configuration from HEAD~1's templates and the working tree's
-  evoengineer ab --space h100 --config PATH=mma,... --before HEAD~1 --add-shape 4,16,2048,128
-  # no GPU: compile both sides and compare registers, spills, shared memory
-  evoengineer ab --space h100 --config PATH=mma,... --param STAGES --compile-only
+  # a template change: HEAD~1's templates (A) against the working tree's (B)
+  evoengineer ab --space h100 --config PATH=mma,... --before HEAD~1 \\
+      --add-shape 4,16,2048,128
+  # no GPU: compile both sides; registers, spills, shared memory
+  evoengineer ab --space h100 --config PATH=mma,... --param STAGES \\
+      --compile-only
 
-Both sides are gated against fp32 SDPA first. Each round times A then B on every
-case (B then A in every other round), with every repetition taken; B/A is the
-median of the rounds' own time ratios, and the verdict says whether it is below
-1 (B faster), above (B slower) or within the rounds' noise of 1 (same). Exit 0
-when both sides are measured, 1 when one fails its gate or build, 2 on a usage
-mistake or without a GPU.
+Parameters left out of --config take their first value in the space. Each
+round times A then B on every case (B then A every other round), every
+repetition taken; B/A is the median of the rounds' own time ratios, and the
+verdict says whether it is below 1 (B faster), above (B slower) or within the
+rounds' noise of 1 (same). Exit 0 when both sides are measured, 1 when one
+fails its build or gate, 2 on a usage mistake or without a GPU.
 """
 
 
@@ -112,19 +120,17 @@ def _measure(args: argparse.Namespace, space, sides) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ab", help="time two kernels against each other: one parameter, two configs or a template change (GPU)",
-                       description="Time a configuration against its neighbour in one parameter (--param), another "
-                       "configuration (--against) or itself rendered from a git revision's templates (--before), in one "
-                       "process: both gated, then timed in interleaved rounds; one table of paired ratios.",
+                       description=_DESCRIPTION,
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--space", required=True, help="space YAML path or built-in name (its shapes, tolerances, timing)")
     p.add_argument("--config", required=True, help="side A: NAME=VALUE,... (omitted parameters take their first value)")
     other = p.add_mutually_exclusive_group(required=True)
-    other.add_argument("--param", metavar="NAME[=B|=A,B]",
+    other.add_argument("--param", metavar="NAME[=..]",
                        help="side B differs in one parameter: NAME (its next value the space allows), NAME=B, or "
                             "NAME=A,B (both sides set); a value the space does not list is judged by its constraints")
     other.add_argument("--against", metavar="CONFIG", help="side B: another configuration NAME=VALUE,...")
-    other.add_argument("--before", metavar="REV|DIR",
-                       help="side A rendered from the templates of a git revision (or a directory of templates), "
+    other.add_argument("--before", metavar="REV",
+                       help="side A rendered from the templates of git revision REV (or of a directory REV), "
                             "side B from the working tree's")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--repetitions", type=int, help="graph replays per timing (default: the space's)")
