@@ -40,88 +40,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from evoengineer.gpu import REFERENCE_CALLS, SDPA_BACKENDS, EvalResult, Evaluator, fastest_sdpa
+from evoengineer.bench import interleaved_times, paired_ratio
+from evoengineer.bench.versus import HAND_PICKED, candidate_name, case_time, configs_from_leaderboards, fastest, rounds_winner
+from evoengineer.gpu import REFERENCE_CALLS, SDPA_BACKENDS, Evaluator, fastest_sdpa
 from evoengineer.kernels import StaticReport, arch_for_device
 from evoengineer.space import Case, Config, load_space, parse_shape
-
-HAND_PICKED = [  # per-regime winners of h100 searches (NVIDIA H100)
-    "PATH=scalar,BLOCK_M=16,BLOCK_N=64,WARPS=4,VEC=8",
-    "PATH=wmma,BLOCK_M=64,BLOCK_N=32,WARPS=2,VEC=8",
-    "PATH=mma,BLOCK_M=128,BLOCK_N=64,WARPS=4,VEC=8,STAGES=1,SMEM_LAYOUT=swizzle,Q_IN_REGS=0,P_IN_REGS=1,SPLITS=1,KV_GROUPS=1",
-    "PATH=mma,BLOCK_M=32,BLOCK_N=64,WARPS=8,VEC=8,STAGES=1,SMEM_LAYOUT=swizzle,Q_IN_REGS=1,P_IN_REGS=1,SPLITS=1,KV_GROUPS=4",
-]
-
-
-def configs_from_leaderboards(runs: list[Path], top: int = 1) -> list[Config]:
-    """For each shape and path the runs recorded, the ``top`` configurations with the shortest times
-    on that shape (each configuration once, at its best time over the runs)."""
-    times: dict[tuple[str, str], dict[str, tuple[float, dict]]] = {}
-    for run in runs:
-        for line in (run / "results.jsonl").read_text().splitlines():
-            r = json.loads(line)
-            if r.get("status") != "ok":
-                continue
-            for case in r.get("cases", []):
-                us = (case.get("time") or {}).get("median_us")
-                per = times.setdefault((case["label"], r["config"]["PATH"]), {})
-                key = Config(r["config"]).key()
-                if us is not None and (key not in per or us < per[key][0]):
-                    per[key] = (us, r["config"])
-    best = [x for per in times.values() for x in sorted(per.values(), key=lambda x: x[0])[:top]]
-    picked = {Config(cfg).key(): Config(cfg) for _, cfg in sorted(best, key=lambda x: x[0])}
-    return list(picked.values())
-
-
-def case_time(result: EvalResult, label: str) -> dict | None:
-    return next((c for c in result.cases if c["label"] == label and c.get("time")), None)
-
-
-def paired_median(ours: list[float], theirs: list[float]) -> float:
-    """The median of the rounds' ratios ours / theirs (round i against round i)."""
-    return statistics.median(a / b for a, b in zip(ours, theirs))
-
-
-def retime_winners(winners: dict[str, dict[str, tuple[Evaluator, StaticReport]]], cases: list[Case],
-                   references: tuple[str, ...], rounds: int, main_ev: Evaluator) -> dict[str, dict[str, list[dict]]]:
-    """label -> name (a candidate's name, e.g. its path, or a reference) -> one timing per round (us,
-    tflops), the candidates and the references interleaved per shape, references first in even
-    rounds and last in odd ones."""
-    timing = {**main_ev.timing, "precision": 0.0}
-    samples: dict[str, dict[str, list[dict]]] = {}
-    for r in range(rounds):
-        for case in cases:
-            label = case.label()
-            got = samples.setdefault(label, {})
-            steps: list[tuple[str, Any]] = [("", None), *winners.get(label, {}).items()]
-            for name, item in steps if r % 2 == 0 else steps[::-1]:
-                if not name:
-                    answers = main_ev.time_references(case, references, timing)
-                else:
-                    evaluator, report = item
-                    answers = {name: evaluator.time_case(report, case, timing)}
-                for who, answer in answers.items():
-                    if answer.get("status") == "ok":
-                        got.setdefault(who, []).append({"us": answer["time"]["median_us"], "tflops": answer["tflops"]})
-    return samples
-
-
-def fastest(results: list[EvalResult], label: str, path: str, n: int) -> list[Config]:
-    """The ``n`` fastest candidates of ``path`` on shape ``label`` in the first pass."""
-    timed = [(c["time"]["median_us"], Config(r.config)) for r in results if r.ok and r.config["PATH"] == path
-             for c in [case_time(r, label)] if c is not None]
-    return [config for _, config in sorted(timed, key=lambda x: x[0])[:n]]
-
-
-def candidate_name(path: str, index: int) -> str:
-    """The re-timed candidate ``index`` (0: the first pass's fastest) of ``path``: ``wgmma#1``, ``wgmma#2``, ..."""
-    return f"{path}#{index + 1}"
-
-
-def rounds_winner(us: dict[str, list[float]], path: str) -> str | None:
-    """Of the re-timed candidates of ``path``, the one with the lowest median over the rounds."""
-    names = [n for n in us if n.split("#")[0] == path]
-    return min(names, key=lambda n: statistics.median(us[n])) if names else None
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -248,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             references = tuple(b for b in SDPA_BACKENDS if b in ("cudnn", "flash")) + peers
             console.print(f"re-timing {len(reports)} winners, {args.rounds} rounds interleaved with "
                           f"{', '.join(references)}", style="dim")
-            samples = retime_winners(winners, list(space.cases), references, args.rounds, main_ev)
+            samples, _ = interleaved_times(main_ev, list(space.cases), winners, references, args.rounds,
+                                           {**main_ev.timing, "precision": 0.0})
         table = Table(title=f"re-timed: {args.rounds} rounds interleaved; µs the median of the rounds; ÷ the median of "
                             f"the rounds' paired ratios (< 1 is faster); bar = min(cuDNN, fa4) per round")
         table.add_column("shape")
@@ -278,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                 entry[p].update(tflops=tf, config=winners[label][name][1].config.to_dict(),
                                 candidates=[winners[label][c][1].config.short_label() for c in winners[label]
                                             if c.split("#")[0] == p],
-                                ratio_cudnn=paired_median(us[p][:n], us["cudnn"][:n]) if "cudnn" in us else None,
-                                ratio_bar=paired_median(us[p][:n], bars) if bars else None)
+                                ratio_cudnn=paired_ratio(us[p][:n], us["cudnn"][:n]) if "cudnn" in us else None,
+                                ratio_bar=paired_ratio(us[p][:n], bars) if bars else None)
                 cells += [f"{statistics.median(us[p]):.1f} | {tf:.0f}",
                           " ".join("-" if x is None else f"{x:.2f}" for x in (entry[p]["ratio_cudnn"], entry[p]["ratio_bar"]))]
             table.add_row(label, *cells)

@@ -1,24 +1,11 @@
-"""benchmarks/exported_vs_sdpa.py's target verdicts and loop sizes, on hand-made rows (no GPU)."""
+"""An export timed as a user calls it (evoengineer.bench.calls, .targets): target verdicts, loop
+sizes, the order of the rounds, on hand-made rows and recorded calls (no GPU)."""
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def bench():
-    path = REPO / "benchmarks" / "exported_vs_sdpa.py"
-    spec = importlib.util.spec_from_file_location("exported_vs_sdpa", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["exported_vs_sdpa"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("exported_vs_sdpa", None)
+from evoengineer.bench import calls, targets
+from evoengineer.bench.exported import PAIRED
 
 
 def measured(impl: str, device: float, eager: float, graph: float, *, eager_spread: float = 0.2,
@@ -33,54 +20,54 @@ def pair(ours: tuple, sdpa: tuple, **kw) -> list[dict]:
     return [measured("evo", *ours, **kw), measured("sdpa", *sdpa, **kw)]
 
 
-def test_a_row_that_meets_every_target(bench) -> None:
+def test_a_row_that_meets_every_target() -> None:
     # device 10/6 = 1.67, eager 18/10 = 1.8, overhead 4 < 8, graph 10.1/6.1 = 1.66 (-0.7% off the device's)
-    v = bench.target_verdicts(*pair((6.0, 10.0, 6.1), (10.0, 18.0, 10.1)))
+    v = targets.target_verdicts(*pair((6.0, 10.0, 6.1), (10.0, 18.0, 10.1)))
     assert v["a"]["applies"] and v["a"]["met"] is True
     assert v["b"]["verdict"] == "lower" and v["b"]["met"] and v["b"]["difference_us"] == pytest.approx(-4.0)
     assert v["b"]["noise_us"] == pytest.approx(2 * (0.2 + 0.05))
     assert v["c"]["met"] and v["c"]["deviation"] == pytest.approx(10.1 / 6.1 / (10 / 6) - 1)
 
 
-def test_each_target_can_fail(bench) -> None:
+def test_each_target_can_fail() -> None:
     # (a): device speedup 1.01, eager 0.997; (b) still holds: 0.5 against -0.8 µs, within a noise of 1.4
-    a = bench.target_verdicts(*pair((100.0, 100.5, 100.0), (101.0, 100.2, 101.0), eager_spread=0.5, device_spread=0.2))
+    a = targets.target_verdicts(*pair((100.0, 100.5, 100.0), (101.0, 100.2, 101.0), eager_spread=0.5, device_spread=0.2))
     assert a["a"]["applies"] and a["a"]["met"] is False
     assert a["b"]["verdict"] == "equal" and a["c"]["met"]
     # (a) does not apply where the device speedup is below 1, whatever eager reads
-    na = bench.target_verdicts(*pair((100.0, 150.0, 100.0), (90.0, 91.0, 90.0)))
+    na = targets.target_verdicts(*pair((100.0, 150.0, 100.0), (90.0, 91.0, 90.0)))
     assert not na["a"]["applies"] and na["a"]["met"] is None
     # (b): overhead 20 µs against 2, far past a noise of 0.5
-    b = bench.target_verdicts(*pair((100.0, 120.0, 100.0), (100.0, 102.0, 100.0)))
+    b = targets.target_verdicts(*pair((100.0, 120.0, 100.0), (100.0, 102.0, 100.0)))
     assert b["b"]["verdict"] == "higher" and b["b"]["met"] is False
     assert b["a"]["applies"] and b["a"]["met"] is False and b["c"]["met"]
     # (c): device 1.57, graph 1.38 (-12%: a graph launch per call dilutes it)
-    c = bench.target_verdicts(*pair((6.4, 10.0, 7.25), (10.0, 15.0, 10.0)))
+    c = targets.target_verdicts(*pair((6.4, 10.0, 7.25), (10.0, 15.0, 10.0)))
     assert c["c"]["met"] is False and c["c"]["deviation"] == pytest.approx(10.0 / 7.25 / (10.0 / 6.4) - 1)
     assert c["a"]["met"] and c["b"]["met"]
     # (c)'s bound is 5% either way
-    assert bench.target_verdicts(*pair((10.0, 10.0, 10.0), (10.0, 10.0, 10.4)))["c"]["met"]
-    assert not bench.target_verdicts(*pair((10.0, 10.0, 10.0), (10.0, 10.0, 10.6)))["c"]["met"]
-    assert not bench.target_verdicts(*pair((10.0, 10.0, 10.0), (10.0, 10.0, 9.4)))["c"]["met"]
+    assert targets.target_verdicts(*pair((10.0, 10.0, 10.0), (10.0, 10.0, 10.4)))["c"]["met"]
+    assert not targets.target_verdicts(*pair((10.0, 10.0, 10.0), (10.0, 10.0, 10.6)))["c"]["met"]
+    assert not targets.target_verdicts(*pair((10.0, 10.0, 10.0), (10.0, 10.0, 9.4)))["c"]["met"]
 
 
-def test_overhead_within_noise_counts_as_equal(bench) -> None:
+def test_overhead_within_noise_counts_as_equal() -> None:
     # ours 5 µs, SDPA's 4: 1 µs higher; noise 0.5 + 0.5 + 0.1 + 0.1 = 1.2 µs covers it
     noisy = pair((50.0, 55.0, 50.0), (50.0, 54.0, 50.0), eager_spread=0.5, device_spread=0.1)
-    v = bench.target_verdicts(*noisy)
+    v = targets.target_verdicts(*noisy)
     assert v["b"]["noise_us"] == pytest.approx(1.2)
     assert v["b"]["verdict"] == "equal" and v["b"]["met"] is True
     # the same 1 µs with steadier loops (noise 0.2 + 0.2 + 0.1 + 0.1 = 0.6 µs) is higher
     steady = pair((50.0, 55.0, 50.0), (50.0, 54.0, 50.0), eager_spread=0.2, device_spread=0.1)
-    v = bench.target_verdicts(*steady)
+    v = targets.target_verdicts(*steady)
     assert v["b"]["noise_us"] == pytest.approx(0.6)
     assert v["b"]["verdict"] == "higher" and v["b"]["met"] is False
     # lower by less than the noise is equal too, not lower
-    v = bench.target_verdicts(*pair((50.0, 54.0, 50.0), (50.0, 55.0, 50.0), eager_spread=0.5, device_spread=0.1))
+    v = targets.target_verdicts(*pair((50.0, 54.0, 50.0), (50.0, 55.0, 50.0), eager_spread=0.5, device_spread=0.1))
     assert v["b"]["verdict"] == "equal" and v["b"]["met"]
 
 
-def test_rows_are_grouped_counted_and_listed(bench) -> None:
+def test_rows_are_grouped_counted_and_listed() -> None:
     results = [
         *pair((6.0, 10.0, 6.1), (10.0, 18.0, 10.1), shape="B1 H8 S512 D64"),
         measured("sdpa flash", 9.0, 30.0, 9.0, shape="B1 H8 S512 D64"),  # a forced backend: not SDPA's choice
@@ -91,12 +78,12 @@ def test_rows_are_grouped_counted_and_listed(bench) -> None:
         measured("evo", 6.0, 10.0, 6.0, shape="B8 H32 S1/4096 D128"),
         {"shape": "B8 H32 S1/4096 D128", "dtype": "fp16", "causal": False, "impl": "sdpa", "status": "unsupported"},
     ]
-    entries = bench.evaluate_targets(results)
+    entries = targets.evaluate_targets(results)
     assert [e["row"] for e in entries] == ["B1 H8 S512 D64 fp16", "B2 H32/8 S2048 D128 GQA causal bf16",
                                           "B4 H16 S2048 D64 fp16", "B1 H8 S512 D64 bf16", "B8 H32 S1/4096 D128 fp16"]
     assert entries[0]["a"]["eager_speedup"] == pytest.approx(1.8)  # against "sdpa", not "sdpa flash"
     assert entries[-1]["missing"] == "no sdpa measurement" and "a" not in entries[-1]
-    summary = bench.summarize_targets(entries)
+    summary = targets.summarize_targets(entries)
     assert summary["a"] == {"rows": 4, "met": 2, "not_met": ["B2 H32/8 S2048 D128 GQA causal bf16",
                                                              "B4 H16 S2048 D64 fp16"]}
     assert (summary["b"]["rows"], summary["b"]["met"], summary["b"]["not_met"]) == (4, 3, ["B4 H16 S2048 D64 fp16"])
@@ -104,7 +91,7 @@ def test_rows_are_grouped_counted_and_listed(bench) -> None:
     assert summary["c"]["not_met"] == ["B1 H8 S512 D64 bf16"] and summary["c"]["met"] == 3
     assert summary["missing"]["labels"] == ["B8 H32 S1/4096 D128 fp16"]
 
-    lines = bench.target_lines(entries)
+    lines = targets.target_lines(entries)
     assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
     text = "\n".join(lines)
     assert "(a) eager ×sdpa >= 1 where device ×sdpa >= 1: 2 of 4 rows" in text
@@ -118,14 +105,14 @@ def test_rows_are_grouped_counted_and_listed(bench) -> None:
     assert row.split()[-9:] == ["1.00", "0.85", "NO", "20.0", "2.0", "0.5", ">", "1.00", "ok"]
 
 
-def test_loop_sizes(bench) -> None:
+def test_loop_sizes() -> None:
     # at least --calls, at least ~30 ms of device time, whole rotations over the sets
-    assert bench.loop_calls(200, 6.0, 30.0, 50) == 5000
-    assert bench.loop_calls(200, 3000.0, 30.0, 1) == 200
-    assert bench.loop_calls(200, 3000.0, 30.0, 3) == 201
-    assert bench.loop_calls(50, 100.0, 10.0, 8) == 104
-    assert bench.half_range([10.0, 12.0, 11.0]) == pytest.approx(1.0)
-    assert bench.half_range([]) == 0.0
+    assert calls.loop_calls(200, 6.0, 30.0, 50) == 5000
+    assert calls.loop_calls(200, 3000.0, 30.0, 1) == 200
+    assert calls.loop_calls(200, 3000.0, 30.0, 3) == 201
+    assert calls.loop_calls(50, 100.0, 10.0, 8) == 104
+    assert calls.half_range([10.0, 12.0, 11.0]) == pytest.approx(1.0)
+    assert calls.half_range([]) == 0.0
 
 
 def a_round(device: float, eager: float, graph: float, *, spread: float = 0.1, loops: tuple = ()) -> dict:
@@ -136,56 +123,56 @@ def a_round(device: float, eager: float, graph: float, *, spread: float = 0.1, l
             "input_sets": 4}
 
 
-def test_rounds_combine_into_medians_and_a_spread_over_them(bench) -> None:
+def test_rounds_combine_into_medians_and_a_spread_over_them() -> None:
     rounds = [a_round(10.0, 12.0, 10.0, loops=(11.0, 12.0)), a_round(20.0, 23.0, 21.0, loops=(22.0, 24.0)),
               a_round(12.0, 14.0, 13.0, spread=0.3, loops=(13.5, 14.5))]
-    row = bench.combine_rounds("evo", rounds)
+    row = calls.combine_rounds("evo", rounds)
     assert (row["device_us"], row["eager_us"], row["graph_us"]) == (12.0, 14.0, 13.0)
     assert row["overhead_us"] == pytest.approx(2.0) and len(row["rounds"]) == 3
     assert row["eager_spread_us"] == pytest.approx((24.0 - 11.0) / 2)         # over every loop of every round
     assert row["device_spread_us"] == pytest.approx((20.0 - 10.0) / 2)        # the rounds' own spread, > 0.1 .. 0.3
     # one round is a row as measured; a failed round fails the row
-    assert bench.combine_rounds("evo", rounds[:1]) is rounds[0]
+    assert calls.combine_rounds("evo", rounds[:1]) is rounds[0]
     failed = {"impl": "evo", "status": "unsupported", "reason": "no"}
-    assert bench.combine_rounds("evo", [rounds[0], failed]) is failed
+    assert calls.combine_rounds("evo", [rounds[0], failed]) is failed
 
 
-def test_speedups_pair_the_rounds(bench) -> None:
+def test_speedups_pair_the_rounds() -> None:
     """The GPU's clock drifts between rounds (10, 20, 30 µs); each round's SDPA is 1.1x ours on
     the device and in the graph, except round 2's graph (+20 %). Paired per round, (c) holds (the
     median deviation is 0); the medians of the figures alone would make it +20 %."""
-    ours = bench.combine_rounds("evo", [a_round(t, t + 2, t) for t in (10.0, 20.0, 30.0)])
-    sdpa = bench.combine_rounds("sdpa", [a_round(1.1 * t, 1.1 * t + 2, g) for t, g in ((10.0, 11.0), (20.0, 26.4),
+    ours = calls.combine_rounds("evo", [a_round(t, t + 2, t) for t in (10.0, 20.0, 30.0)])
+    sdpa = calls.combine_rounds("sdpa", [a_round(1.1 * t, 1.1 * t + 2, g) for t, g in ((10.0, 11.0), (20.0, 26.4),
                                                                                         (30.0, 33.0))])
-    v = bench.target_verdicts(ours, sdpa)
+    v = targets.target_verdicts(ours, sdpa)
     assert v["a"]["device_speedup"] == pytest.approx(1.1) and v["c"]["graph_speedup"] == pytest.approx(1.1)
     assert v["c"]["deviation"] == pytest.approx(0.0) and v["c"]["met"]
     unpaired = {k: x for k, x in sdpa.items() if k not in ("rounds", "graph_per_device")}
-    assert not bench.target_verdicts(ours, unpaired)["c"]["met"]                  # 26.4 / 20 against 22 / 20
-    assert bench.speedups([ours, sdpa])["graph_us"] == pytest.approx(1.1)
+    assert not targets.target_verdicts(ours, unpaired)["c"]["met"]                  # 26.4 / 20 against 22 / 20
+    assert calls.speedups([ours, sdpa])["graph_us"] == pytest.approx(1.1)
 
 
-def test_graph_deviation_comes_from_each_sides_graph_over_its_own_device_samples(bench) -> None:
+def test_graph_deviation_comes_from_each_sides_graph_over_its_own_device_samples() -> None:
     """The clock moves between the device column and the graph column of a round: SDPA's graph
     reads 1.1x ours, its device time 1.2x (round 1) or 1.0x (round 2). Each side's graph samples
     over the device samples taken beside them are 1.0 and 1.02: (c)'s deviation is 1.02 / 1.0 - 1,
     where the device and graph medians alone would put it at -8 % and +10 %."""
-    ours = bench.combine_rounds("evo", [{**a_round(10.0, 12.0, 10.0), "graph_per_device": 1.0},
+    ours = calls.combine_rounds("evo", [{**a_round(10.0, 12.0, 10.0), "graph_per_device": 1.0},
                                         {**a_round(10.0, 12.0, 10.0), "graph_per_device": 1.0}])
-    sdpa = bench.combine_rounds("sdpa", [{**a_round(12.0, 14.0, 11.0), "graph_per_device": 1.02},
+    sdpa = calls.combine_rounds("sdpa", [{**a_round(12.0, 14.0, 11.0), "graph_per_device": 1.02},
                                          {**a_round(10.0, 12.0, 11.0), "graph_per_device": 1.02}])
-    v = bench.target_verdicts(ours, sdpa)
+    v = targets.target_verdicts(ours, sdpa)
     assert v["c"]["graph_speedup"] == pytest.approx(1.1) and v["c"]["device_speedup"] == pytest.approx(1.1)
     assert v["c"]["deviation"] == pytest.approx(0.02) and v["c"]["met"]
     assert ours["graph_per_device"] == 1.0 and len(ours["rounds"]) == 2
     # a graph that costs SDPA nothing and ours 7 % more than our device time fails, rounds or not
     slow = {**a_round(10.0, 12.0, 10.7), "graph_per_device": 1.07}
-    single = bench.target_verdicts(slow, {**a_round(11.0, 13.0, 11.0), "graph_per_device": 1.0})
+    single = targets.target_verdicts(slow, {**a_round(11.0, 13.0, 11.0), "graph_per_device": 1.0})
     assert single["c"]["deviation"] == pytest.approx(1 / 1.07 - 1) and not single["c"]["met"]
-    both = bench.target_verdicts(bench.combine_rounds("evo", [slow, slow]), sdpa)
+    both = targets.target_verdicts(calls.combine_rounds("evo", [slow, slow]), sdpa)
     assert both["c"]["deviation"] == pytest.approx(1.02 / 1.07 - 1) and both["c"]["met"]
-    worse = bench.combine_rounds("evo", [{**slow, "graph_per_device": 1.09}] * 2)
-    assert not bench.target_verdicts(worse, sdpa)["c"]["met"]
+    worse = calls.combine_rounds("evo", [{**slow, "graph_per_device": 1.09}] * 2)
+    assert not targets.target_verdicts(worse, sdpa)["c"]["met"]
 
 
 class Recorder:
@@ -231,34 +218,34 @@ class Impl:
         pass
 
 
-def recorded(bench, monkeypatch, fail: tuple[str, str, int] | None = None) -> tuple[Recorder, dict]:
+def recorded(monkeypatch, fail: tuple[str, str, int] | None = None) -> tuple[Recorder, dict]:
     rec = Recorder(fail)
     for name in ("heat_up", "device_times", "eager_times", "graph_times"):
-        monkeypatch.setattr(bench, name, getattr(rec, name))
-    monkeypatch.setattr(bench, "synchronize", lambda: rec.calls.append(("sync", "")))
+        monkeypatch.setattr(calls, name, getattr(rec, name))
+    monkeypatch.setattr(calls, "synchronize", lambda: rec.calls.append(("sync", "")))
     impls = {name: Impl(name) for name in ("evo", "sdpa", "sdpa flash")}
-    return rec, bench.measure_rounds(impls, [(1,), (2,)], 200, 10, 2)
+    return rec, calls.measure_rounds(impls, [(1,), (2,)], 200, 10, 2, PAIRED)
 
 
-def test_rounds_go_column_by_column_after_a_heat_up(bench, monkeypatch) -> None:
-    rec, per_round = recorded(bench, monkeypatch)
+def test_rounds_go_column_by_column_after_a_heat_up(monkeypatch) -> None:
+    rec, per_round = recorded(monkeypatch)
     assert rec.calls == [("heat", "evo+sdpa"),
                          ("device", "evo"), ("device", "sdpa"), ("eager", "evo"), ("eager", "sdpa"),
                          ("graph", "evo"), ("graph", "sdpa"),
                          ("device", "sdpa"), ("device", "evo"), ("eager", "sdpa"), ("eager", "evo"),
                          ("graph", "sdpa"), ("graph", "evo"),
                          ("device", "sdpa flash"), ("eager", "sdpa flash"), ("graph", "sdpa flash")]
-    assert rec.heat_ms == bench.HEAT_MS == 300.0 and bench.EAGER_LOOPS == 3
+    assert rec.heat_ms == calls.HEAT_MS == 300.0 and calls.EAGER_LOOPS == 3
     assert [len(per_round[k]) for k in ("evo", "sdpa", "sdpa flash")] == [2, 2, 1]
     first = per_round["evo"][0]
     assert first["status"] == "ok" and first["overhead_us"] == pytest.approx(2.0) and first["input_sets"] == 2
     assert list(first)[:2] == ["impl", "device_us"] and list(first)[-2:] == ["input_sets", "status"]
-    row = bench.combine_rounds("evo", per_round["evo"])
-    assert set(bench.ROUND_FIGURES) <= set(row["rounds"][0]) and len(row["rounds"]) == 2
+    row = calls.combine_rounds("evo", per_round["evo"])
+    assert set(calls.ROUND_FIGURES) <= set(row["rounds"][0]) and len(row["rounds"]) == 2
 
 
-def test_a_failed_column_fails_that_round_only(bench, monkeypatch) -> None:
-    rec, per_round = recorded(bench, monkeypatch, fail=("eager", "sdpa", 2))   # sdpa's eager loops of round 2
+def test_a_failed_column_fails_that_round_only(monkeypatch) -> None:
+    rec, per_round = recorded(monkeypatch, fail=("eager", "sdpa", 2))   # sdpa's eager loops of round 2
     round2 = rec.calls[7:13]
     assert round2 == [("device", "sdpa"), ("device", "evo"), ("eager", "sdpa"), ("sync", ""), ("eager", "evo"),
                       ("graph", "evo")]                                          # no graph for sdpa after it
@@ -266,11 +253,11 @@ def test_a_failed_column_fails_that_round_only(bench, monkeypatch) -> None:
     assert per_round["sdpa"][1] == {"impl": "sdpa", "status": "unsupported", "reason": "sdpa does not take the shape"}
     assert [r["status"] for r in per_round["evo"]] == ["ok", "ok"]
     assert per_round["sdpa flash"][0]["status"] == "ok"
-    assert bench.combine_rounds("sdpa", per_round["sdpa"])["status"] == "unsupported"
+    assert calls.combine_rounds("sdpa", per_round["sdpa"])["status"] == "unsupported"
 
 
-def test_heat_up_calls_in_turn_for_its_time(bench, monkeypatch) -> None:
-    calls: list[tuple[str, int]] = []
+def test_heat_up_calls_in_turn_for_its_time(monkeypatch) -> None:
+    seen: list[tuple[str, int]] = []
     waited: list[int] = []
 
     class Event:
@@ -280,18 +267,18 @@ def test_heat_up_calls_in_turn_for_its_time(bench, monkeypatch) -> None:
         def synchronize(self) -> None:
             waited.append(self.n)
 
-    monkeypatch.setattr(bench, "_recorded_event", lambda: Event(len(calls)))
-    monkeypatch.setattr(bench, "synchronize", lambda: calls.append(("sync", 0)))
+    monkeypatch.setattr(calls, "_recorded_event", lambda: Event(len(seen)))
+    monkeypatch.setattr(calls, "synchronize", lambda: seen.append(("sync", 0)))
 
     def impl(name: str, raises: bool = False):
         def call(x: int) -> None:
-            calls.append((name, x))
+            seen.append((name, x))
             if raises:
                 raise RuntimeError("no")
         return call
 
-    passes = bench.heat_up([impl("a"), impl("b"), impl("c", raises=True)], [(0,), (1,), (2,)], 20.0)
-    assert calls[-1] == ("sync", 0) and calls[:3] == [("a", 0), ("b", 0), ("c", 0)]
-    body = calls[3:-1]                                   # c left after its failure; a and b alternate on the sets
-    assert body == [(n, i % 3) for i in range(1, passes) for n in "ab"] and passes > bench.HEAT_IN_FLIGHT
-    assert len(waited) == passes - bench.HEAT_IN_FLIGHT  # at most HEAT_IN_FLIGHT passes ahead
+    passes = calls.heat_up([impl("a"), impl("b"), impl("c", raises=True)], [(0,), (1,), (2,)], 20.0)
+    assert seen[-1] == ("sync", 0) and seen[:3] == [("a", 0), ("b", 0), ("c", 0)]
+    body = seen[3:-1]                                   # c left after its failure; a and b alternate on the sets
+    assert body == [(n, i % 3) for i in range(1, passes) for n in "ab"] and passes > calls.HEAT_IN_FLIGHT
+    assert len(waited) == passes - calls.HEAT_IN_FLIGHT  # at most HEAT_IN_FLIGHT passes ahead

@@ -1,20 +1,17 @@
-"""benchmarks/ncu_profile.py's summary of Nsight Compute's source page, on a recorded excerpt
+"""The summary of Nsight Compute's source page (evoengineer.bench.ncu, benchmarks/ncu_profile.py) of Nsight Compute's source page, on a recorded excerpt
 (ncu 2025 on an H100: a zero-fill kernel, then 60 instructions of the dtmao kernel at B4 H16 S2048 D128)."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+from evoengineer.bench import ncu as ncu_profile
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "ncu_profile.py"
 EXCERPT = REPO / "tests" / "data" / "ncu_source_attn_fwd.csv"
 
-_spec = importlib.util.spec_from_file_location("ncu_profile", SCRIPT)
-ncu_profile = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = ncu_profile  # dataclasses look their module up
-_spec.loader.exec_module(ncu_profile)
 
 
 def test_kernels_are_read_in_order_with_their_instructions() -> None:

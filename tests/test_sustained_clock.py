@@ -1,37 +1,36 @@
-"""benchmarks/sustained_clock.py's reading of nvidia-smi's samples, and its command line (no GPU)."""
+"""The sustained-clock benchmark's reading of nvidia-smi's samples and its table
+(evoengineer.bench.clock), and its command line (no GPU)."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+from evoengineer.bench.clock import settled_medians, sustained_lines
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _load_sustained_clock():
-    """benchmarks/sustained_clock.py as a module (it imports ncu_profile from beside it)."""
-    spec = importlib.util.spec_from_file_location("sustained_clock", REPO / "benchmarks" / "sustained_clock.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    return module
-
-
-sustained_clock = _load_sustained_clock()
 
 
 def test_medians_skip_the_first_quarter_and_lines_that_are_not_readings() -> None:
     # nvidia-smi's lines while the clock settles: 1980 MHz idle, then the power limit
     lines = ["1980, 120.5", "1980, 350.0", "[N/A], [N/A]", "1620, 690.1", "1605, 698.2", "1590, 699.0", "1605, 700.3", ""]
-    mhz, watts = sustained_clock.settled_medians(lines)
+    mhz, watts = settled_medians(lines)
     # six readings: the first quarter (one) is dropped, the median of the other five is kept
     assert (mhz, watts) == (1605.0, 698.2)
-    assert sustained_clock.settled_medians(["[N/A], [N/A]"]) is None
-    assert sustained_clock.settled_medians([]) is None
+    assert settled_medians(["[N/A], [N/A]"]) is None
+    assert settled_medians([]) is None
+
+
+def test_the_table_divides_by_the_first_kernels_median_and_fits_80_columns() -> None:
+    figures = {"SDPA cudnn": [{"us": 100.0, "mhz": 1600.0, "watts": 700.0, "mj_per_call": 70.0},
+                              {"us": 102.0, "mhz": 1590.0, "watts": 699.0, "mj_per_call": 71.3}],
+               "ptma 128x128 st2 r32/232 ovl pp " + "o" * 60: [{"us": 95.0, "mhz": None, "watts": None, "mj_per_call": None}]}
+    lines = sustained_lines(figures)
+    assert all(len(line) <= 80 for line in lines)
+    assert lines[0].split() == ["kernel", "µs", "÷cudnn", "MHz", "W", "mJ"]
+    assert lines[1].split()[-5:] == ["100.0", "0.990", "1600", "700", "70.0"]    # ÷ the median, 101 µs
+    assert lines[2].split() == ["102.0", "1.010", "1590", "699", "71.3"]
+    assert lines[3].split()[-5:] == ["95.0", "0.941", "-", "-", "-"]
 
 
 def test_the_command_line_asks_for_something_to_time() -> None:

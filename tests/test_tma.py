@@ -9,7 +9,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -405,68 +404,6 @@ def test_an_exported_tma_configuration_encodes_the_maps_the_search_launcher_does
             module._tmap_geometry(spec["tensor_maps"][1], (2, 4, 300, 128), (300 * 128, 0, 128, 1))
     finally:
         module._TMAP_DRIVER[:] = []
-
-
-def test_the_ab_script_compiles_every_pair_without_a_gpu(tmp_path: Path) -> None:
-    out = tmp_path / "ab.json"
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "wgmma_ab.py"),
-                           "--compile-only", "--config", "BLOCK_N=64,REG_PRODUCER=40,REG_CONSUMER=232", "--json", str(out)],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr + done.stdout
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["config"] for r in rows] == ["tma 128x128 st2 r24/240 ovl pp", "tma 128x192 st2 r24/240 ovl pp",
-                                           "tma 128x128 st2 r24/240 ovl", "tma 128x128 st3 ovl",
-                                           "tma 128x64 st2 r40/232 ovl pp"]
-    for row in rows:
-        for load in ("cpasync", "tma"):
-            assert row[load]["status"] == "compiled" and row[load]["spill_bytes"] == 0, row
-
-
-def test_the_ab_script_pairs_another_parameter(tmp_path: Path) -> None:
-    out = tmp_path / "ab.json"
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "wgmma_ab.py"),
-                           "--compile-only", "--param", "PERSISTENT=0,1", "--config", "BLOCK_N=176", "--json", str(out)],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr + done.stdout
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["config"] for r in rows] == ["ptma 128x128 st2 r24/240 ovl pp", "ptma 128x176 st2 r24/240 ovl pp"]
-    for row in rows:
-        for value in ("0", "1"):
-            assert row[value]["status"] == "compiled" and row[value]["spill_bytes"] == 0, row
-    bad = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "wgmma_ab.py"),
-                          "--compile-only", "--param", "PERSISTENT=1", "--json", str(out)], capture_output=True, text=True)
-    assert bad.returncode != 0 and "expected NAME=A,B" in bad.stderr
-
-
-def test_the_ab_space_takes_template_only_pairs() -> None:
-    """A pair of a template-only parameter (outside the h100 space) is in the A/B's space, so the
-    evaluator times it rather than calling it invalid; the space's own parameters are unchanged."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("wgmma_ab", Path(__file__).resolve().parent.parent / "benchmarks" / "wgmma_ab.py")
-    wgmma_ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(wgmma_ab)
-
-    found = wgmma_ab.pairs(["PERSISTENT=1", "PERSISTENT=1,INTRA_WG_OVERLAP=2", "PERSISTENT=1,CROSS_TILE=1"],
-                           wgmma_ab.parse_param("LAZY_RESCALE=0,1"))
-    space = wgmma_ab.ab_space(list(wgmma_ab.SHAPES), 60.0, None, found)
-    assert space.param_names[:len(SPACE.param_names)] == SPACE.param_names
-    assert sorted(space.param_names[len(SPACE.param_names):]) == ["CROSS_TILE", "LAZY_RESCALE"]
-    assert space.param("LAZY_RESCALE").values == (0, 1) and space.param("CROSS_TILE").values == (0, 1)
-    assert all(space.contains(c) for pair in found for c in pair.values()) and len(found) == 4
-    # CROSS_TILE, set in one pair, is at its default (0) in the others: their labels do not change
-    assert [pair["1"].short_label() for pair in found] == [
-        "tma 128x128 st2 r24/240 ovl pp lz", "ptma 128x128 st2 r24/240 ovl pp lz", "ptma 128x128 st2 r24/240 ov2 pp lz",
-        "ptma 128x128 st2 r24/240 ovl pp xt lz"]
-    assert not any(SPACE.contains(c) for pair in found for c in pair.values())
-    # a value the template takes and the space does not (SOFTMAX_PIN 1, every exponential held) is judged too
-    pinned = wgmma_ab.pairs(["PERSISTENT=1"], wgmma_ab.parse_param("SOFTMAX_PIN=1,3"))
-    assert [pair[k].short_label() for pair in pinned for k in ("1", "3")] == [
-        "tma 128x128 st2 r24/240 ovl1 pp", "tma 128x128 st2 r24/240 ovl3 pp",
-        "ptma 128x128 st2 r24/240 ovl1 pp", "ptma 128x128 st2 r24/240 ovl3 pp"]
-    assert [SPACE.contains(pair[k]) for pair in pinned for k in ("1", "3")] == [False, True, False, True]
-    plain = wgmma_ab.ab_space(list(wgmma_ab.SHAPES), 60.0, None, wgmma_ab.pairs([]))
-    assert plain.param_names == SPACE.param_names
 
 
 def _between_the_waits(sass: str, opcode: str = "MUFU.EX2") -> list[int]:

@@ -6,7 +6,7 @@ import sys
 from typing import Sequence
 
 from .. import __version__
-from . import gpu_commands, results_commands, search_commands, space_commands
+from . import ab_commands, gpu_commands, results_commands, search_commands, space_commands
 from .common import EXIT_USAGE, UsageError
 
 # -- parser ------------------------------------------------------------------------
@@ -18,6 +18,7 @@ typical session:
   evoengineer baseline --space h100           # time SDPA's backends on this GPU
   evoengineer bench --space h100 \\
       --config PATH=wmma,BLOCK_M=64,BLOCK_N=64,WARPS=4,VEC=8   # one config
+  evoengineer ab --space h100 --config ... --param BLOCK_N   # A/B, one parameter
   evoengineer search --space h100 --time 10m  # the search (GPU)
   evoengineer leaderboard runs/<run>          # the ranked finalists
   evoengineer leaderboard runs/<run> --per-shape   # the fastest config per case
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"evoengineer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    for commands in (space_commands, gpu_commands, search_commands, results_commands):
+    for commands in (space_commands, gpu_commands, ab_commands, search_commands, results_commands):
         commands.register(sub)
     return parser
 

@@ -220,7 +220,7 @@ def _finalize(run: RunDir, space: Space, evaluator: Any, finalists: list[dict], 
 
     retimed = None
     if finalists and retime_rounds:
-        from ..gpu import retime
+        from ..bench import retime
 
         with console.status(f"re-timing the top {len(finalists)} interleaved with SDPA ({retime_rounds} rounds)"):
             reports = [evaluator.build(Config(r["config"])) for r in finalists]

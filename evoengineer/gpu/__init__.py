@@ -2,7 +2,7 @@
 
 ``Evaluator`` gates and times one configuration in a crash-isolating worker process
 and returns an ``EvalResult`` whose ``status`` is one of ``STATUSES``; ``baseline``
-and ``retime`` time SDPA's backends with the same harness. torch and CuPy are
+times SDPA's backends with the same harness (``evoengineer.bench`` re-times in rounds). torch and CuPy are
 imported only when a GPU job runs.
 """
 from __future__ import annotations
@@ -20,7 +20,6 @@ from .evaluate import (
     fastest_sdpa,
     gate_cases,
     gpu_info,
-    retime,
 )
 from .launch import AttentionKernel, LaunchError
 from .worker import Worker, WorkerOutcome, WorkerPool
@@ -28,5 +27,5 @@ from .worker import Worker, WorkerOutcome, WorkerPool
 __all__ = [
     "EDGE_KV", "EDGE_SEQS", "HANDLER", "REFERENCE_CALLS", "SDPA_BACKENDS", "STATUSES", "AttentionKernel", "CaseResult", "EvalResult",
     "Evaluator", "LaunchError", "Worker", "WorkerOutcome", "WorkerPool", "fastest_sdpa", "gate_cases",
-    "gpu_info", "retime",
+    "gpu_info",
 ]

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from ..space import Config, Variant
@@ -106,12 +107,14 @@ def build_config(
     arch: str,
     smem_limit: int | None = None,
     options: Sequence[str] = DEFAULT_OPTIONS,
+    templates: str | Path | None = None,
 ) -> StaticReport:
-    """Render and compile one configuration for every variant; failures are values."""
+    """Render (from ``templates``, a directory, where given) and compile one configuration for
+    every variant; failures are values."""
     builds = []
     for variant in variants:
         try:
-            rendered = render(template, config, variant)
+            rendered = render(template, config, variant, templates)
         except RenderError as exc:
             builds.append(VariantBuild(variant, None, None, f"render failed: {exc}"))
             continue

@@ -16,7 +16,7 @@ LEADERBOARD = "leaderboard.json"
 def build_leaderboard(records: list[dict], retimed: dict | None, baseline: dict, case_flops: dict[str, float], gpu: str) -> dict:
     """Rank finalists by the geometric mean over cases of their (re-timed) median device time.
 
-    ``records``: ok results of the finalists; ``retimed``: ``evaluate.retime`` output, or
+    ``records``: ok results of the finalists; ``retimed``: ``bench.retime`` output, or
     None to rank on the search's own timings; ``baseline``: label -> backend -> row.
     """
     sdpa: dict[str, dict[str, float]] = {}
