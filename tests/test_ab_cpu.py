@@ -170,7 +170,7 @@ def test_usage_mistakes_are_one_line_and_exit_2(args: list[str], message: str) -
 
 def test_without_a_gpu_it_stops_at_once() -> None:
     pytest.importorskip("torch")
-    from tests.conftest import HAS_GPU
+    from conftest import HAS_GPU
 
     if HAS_GPU:
         pytest.skip("a GPU is present")
