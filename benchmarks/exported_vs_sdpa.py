@@ -111,7 +111,9 @@ GRAPH_TOLERANCE = 0.05   # target (c): |graph speedup / device speedup - 1| at m
 def load_module(directory: Path) -> Any:
     info = json.loads((directory / "kernel.json").read_text())
     name = info.get("module", "evo_attention")
-    spec = importlib.util.spec_from_file_location(name, directory / f"{name}.py")
+    package = directory / name  # the runtime package beside kernel.json (a single file in older exports)
+    spec = (importlib.util.spec_from_file_location(name, package / "__init__.py", submodule_search_locations=[str(package)])
+            if package.is_dir() else importlib.util.spec_from_file_location(name, directory / f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -679,8 +681,9 @@ def _cupy_args(module: Any, plan: dict, q: Any, k: Any, v: Any) -> tuple:
 
     kinds = {"ptr": np.uint64, "i32": np.int32, "i64": np.int64, "f32": np.float32}
     batch, heads, seq_q, head_dim = q.shape
-    values = module._scalar_args(batch, heads, k.shape[1], seq_q, k.shape[2], module._strides(q), module._strides(k),
-                                 module._strides(v), module._strides(q), module.LOG2E / math.sqrt(head_dim))
+    strides = module.arguments.element_strides
+    values = module.arguments.scalar_values(batch, heads, k.shape[1], seq_q, k.shape[2], strides(q), strides(k),
+                                            strides(v), strides(q), module.LOG2E / math.sqrt(head_dim))
     arguments = plan["arguments"]
     values.update(Q=q.data_ptr(), K=k.data_ptr(), V=v.data_ptr(), O=arguments.O, WS=arguments.WS)
     return tuple(kinds[kind](values[name]) for name, kind in module.KERNELS[plan["kernel"]]["args"])
