@@ -15,7 +15,8 @@ from . import tensormap
 from .arguments import PackedArguments, element_strides, pack_arguments, scalar_values
 from .checks import DTYPE_NAMES, Coverage, check_inputs, refuse_grad
 from .dispatch import DispatchTable
-from .kernel_file import ExportData, KernelSpec, LaunchSpec
+from .grid import counter_words, grid
+from .kernel_file import ExportData, KernelSpec
 from .loading import KernelCache, import_cupy
 
 LOG2E = 1.4426950408889634
@@ -24,34 +25,6 @@ MAX_PLANS = 512
 """Plans kept per thread; past this many shapes the cache starts over."""
 ALIGNMENT_ERROR = ("attention: q, k and v need 16-byte aligned data pointers (a view that starts mid-row "
                    "is not); pass .contiguous() copies")
-
-# -- grids and workspaces -------------------------------------------------------------------------
-
-
-def grid(launch: LaunchSpec, batch: int, heads: int, heads_kv: int, seq_q: int, sms: int) -> tuple[int, int, int]:
-    """A launch's grid: a query block by batch * head (by split); with packed grouped-query rows
-    a block of (position, query head) rows by batch * K/V head; for a persistent kernel one CTA
-    per multiprocessor at most (``sms``), each walking its share of the work tiles."""
-    if launch.pack_gqa:
-        rows = seq_q * (heads // heads_kv)
-        return (-(-rows // launch.rows_per_cta), batch * heads_kv, launch.grid_z)
-    blocks = -(-seq_q // launch.rows_per_cta)
-    if launch.persistent:
-        return (max(1, min(blocks * batch * heads, sms)), 1, 1)
-    return (blocks, batch * heads, launch.grid_z)
-
-
-def counter_words(launch: LaunchSpec, batch: int, heads: int, seq_q: int, sms: int) -> tuple[int, int]:
-    """(32-bit words of a tile-counter kernel's workspace, how many are zeroed per call): the
-    counter, and for a kernel that cuts its last tiles over every CTA (``split_tail``) where the
-    tiles outnumber the multiprocessors, the cuts' counters, then their partials from a 16-byte
-    boundary."""
-    if launch.split_tail is None or -(-seq_q // launch.rows_per_cta) * batch * heads <= sms:
-        return 1, 1
-    counters, floats = launch.split_tail
-    zeroed = 1 + sms * counters
-    return (zeroed + 3) // 4 * 4 + sms * floats, zeroed
-
 
 @functools.lru_cache(maxsize=None)
 def multiprocessors(device: int) -> int:
