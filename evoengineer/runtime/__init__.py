@@ -50,7 +50,10 @@ else:  # a copy in an export directory: serve the kernel.json beside this packag
     from .exported import KERNEL_FILE, ExportedAttention
     from .launch import LOG2E
 
-    _export = ExportedAttention.load(Path(__file__).resolve().parent.parent / KERNEL_FILE)
+    try:
+        _export = ExportedAttention.load(Path(__file__).resolve().parent.parent / KERNEL_FILE)
+    except KernelFileError as exc:  # an export that cannot serve is a module that cannot be imported
+        raise ImportError(str(exc)) from None
     attention = _export.attention
     attention_op = _export.op
     """torch.ops.<OP_NAMESPACE>.attention.default: the same computation through the dispatcher."""
