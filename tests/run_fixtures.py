@@ -96,12 +96,13 @@ def make_run(path: Path, times: dict[str, dict[Config, float]] | None = None, *,
 
 
 def load_module(directory: Path, name: str = "evo_attention"):
-    """Import an exported module from ``directory`` under a unique name (several exports in one process)."""
+    """Import an exported package from ``directory`` under a unique name (several exports in one process)."""
     import importlib.util
     import sys
 
     unique = f"{name}_{next(_COUNTER)}"
-    spec = importlib.util.spec_from_file_location(unique, directory / f"{name}.py")
+    package = directory / name
+    spec = importlib.util.spec_from_file_location(unique, package / "__init__.py", submodule_search_locations=[str(package)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[unique] = module
     spec.loader.exec_module(module)

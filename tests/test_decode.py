@@ -274,10 +274,12 @@ def test_decode_cases_of_a_decode_run_win_with_their_configuration(both) -> None
 
 
 def test_the_module_sends_decode_calls_to_the_decode_configurations(both) -> None:
+    import torch
+
     _, _, _, module = both
     a, b, c = DEC_A.key(), DEC_B.key(), DEC_C.key()
     assert module.dispatch("fp16", 128, False, 8, 32, 1, 4096) == a
-    assert module.dispatch(module.torch.bfloat16, 128, False, 8, 32, 1, 4096) == a
+    assert module.dispatch(torch.bfloat16, 128, False, 8, 32, 1, 4096) == a
     assert module.dispatch("fp16", 128, False, 8, 32, 1, 4096, heads_kv=8) == c       # grouped-query decode
     assert module.dispatch("fp16", 128, False, 1, 32, 1, 8192) == c                   # one long sequence
     assert module.dispatch("fp16", 128, False, 2, 32, 1, 32768) == c

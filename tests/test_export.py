@@ -107,7 +107,8 @@ def test_export_writes_one_kernel_per_distinct_configuration_and_variant(exporte
     for kernel in info["kernels"]:
         assert (root / "out" / kernel["source"]).read_text() == module.KERNELS[
             (kernel["dtype"], kernel["head_dim"], kernel["causal"], kernel["config"])]["source"]
-        assert kernel["args"][:10] == ["Q", "K", "V", "O", "WS", "B", "H", "H_kv", "S_q", "S_k"] and "gqa" in kernel["features"]
+        assert [name for name, _ in kernel["args"][:10]] == ["Q", "K", "V", "O", "WS", "B", "H", "H_kv", "S_q", "S_k"]
+        assert kernel["args"][0] == ["Q", "ptr"] and "gqa" in kernel["features"]
     assert module.GQA is True
 
 
@@ -214,7 +215,7 @@ def test_kernels_that_take_a_kv_head_count_serve_grouped_query_attention(tmp_pat
         assert module.attention(q, kv, kv, is_causal=True, enable_gqa=True).shape == (2, 32, 128, 64)
         with pytest.raises(ValueError, match="pass enable_gqa=True"):
             module.attention(q, kv, kv)
-    values = module._scalar_args(2, 32, 8, 128, 128, (1, 2, 3), (4, 5, 6), (7, 8, 9), (10, 11, 12), 0.5)
+    values = module.arguments.scalar_values(2, 32, 8, 128, 128, (1, 2, 3), (4, 5, 6), (7, 8, 9), (10, 11, 12), 0.5)
     assert values["H_kv"] == 8 and values["H"] == 32
 
 
@@ -294,11 +295,11 @@ class _Llamaish:
 def test_hf_attention_honours_no_mask_and_the_causal_mask_only(exported) -> None:
     _, module = exported
     causal = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
-    assert module._mask_causal(causal, 6, 6) is True
-    assert module._mask_causal(torch.ones(2, 1, 6, 6, dtype=torch.bool), 6, 6) is False
+    assert module.hf.mask_causal(causal, 6, 6) is True
+    assert module.hf.mask_causal(torch.ones(2, 1, 6, 6, dtype=torch.bool), 6, 6) is False
     additive = torch.zeros(2, 1, 6, 6).masked_fill(~causal, torch.finfo(torch.float32).min)
-    assert module._mask_causal(additive, 6, 6) is True
-    assert module._mask_causal(torch.ones(1, 1, 1, 9, dtype=torch.bool), 1, 9) is False  # decode: the whole cache
+    assert module.hf.mask_causal(additive, 6, 6) is True
+    assert module.hf.mask_causal(torch.ones(1, 1, 1, 9, dtype=torch.bool), 1, 9) is False  # decode: the whole cache
     padded = causal.clone()
     padded[1, :, :, 0] = False
     q = _cpu(2, 4, 6, 64)

@@ -12,7 +12,9 @@ from pathlib import Path
 import evoengineer
 
 PACKAGE_DIR = Path(evoengineer.__file__).parent
-STAGES = ("space", "kernels", "gpu", "bench", "search", "results", "cli")
+STAGES = ("runtime", "space", "kernels", "gpu", "bench", "search", "results", "cli")
+"""Pipeline order. ``runtime`` (what an export copies verbatim) comes first: it imports no
+other stage, and any stage may import it."""
 
 
 def _module_name(path: Path) -> str:
@@ -118,3 +120,29 @@ def test_every_stage_is_a_package_with_a_public_surface() -> None:
         module = __import__(f"evoengineer.{stage}", fromlist=["__all__"])
         for name in module.__all__:
             assert hasattr(module, name), f"evoengineer.{stage}.__all__ names {name}, which it lacks"
+
+
+RUNTIME_THIRD_PARTY = {"torch", "cupy", "transformers"}
+"""What the runtime may import besides the standard library (transformers only inside ``register_hf``)."""
+
+
+def test_the_runtime_imports_only_itself_torch_cupy_and_the_standard_library() -> None:
+    """An export copies ``evoengineer/runtime/`` as a package of another name: it reaches its own
+    modules by relative imports only, and needs nothing but torch and cupy."""
+    import sys
+
+    for path in sorted((PACKAGE_DIR / "runtime").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    assert node.level == 1, f"{path.name}: reaches outside the runtime package"
+                    continue
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert top in sys.stdlib_module_names or top in RUNTIME_THIRD_PARTY, f"{path.name} imports {name}"
+    assert not list((PACKAGE_DIR / "runtime").glob("*/*.py"))  # flat: an export copies its files as they are

@@ -376,34 +376,13 @@ def test_kernel_args_need_a_declaration_for_each_tensor_map() -> None:
         kernel_args(source + '\n// TENSOR_MAP {"arg": "tm_x", "tensor": "q", "box": [64, 64]}\n', "attn_fwd")
 
 
-def test_an_exported_tma_configuration_encodes_the_maps_the_search_launcher_does(tmp_path: Path) -> None:
+def test_an_exported_tma_configuration_takes_its_maps_last(tmp_path: Path) -> None:
     times = {label: {SEED: 100.0} for label in ("B1 H8 S512 D64", "B4 H16 S2048 D64", "B4 H16 S2048 D128")}
     export_runs([make_run(tmp_path / "run", times, sdpa={label: 120.0 for label in times})], tmp_path / "out")
     module = load_module(tmp_path / "out")
     spec = module.KERNELS[("fp16", 128, False, SEED.key())]
     assert spec["args"][-3:] == [("tm_q", "tmap"), ("tm_k", "tmap"), ("tm_v", "tmap")]
     assert [m["arg"] for m in spec["tensor_maps"]] == ["tm_q", "tm_k", "tm_v"]
-    assert [f[0] for f in module._struct_class(tuple(spec["args"]))._fields_][-1] == "scale_log2"
-
-    calls: list = []
-    drv, _keep = _stand_in_driver(calls)
-    module._TMAP_DRIVER[:] = [(drv._encode, drv._replace)]
-    try:
-        k = torch.empty(2, 300, 4, 128, dtype=torch.float16).transpose(1, 2)
-        at = MapStorage(1).addresses[0]
-        module._tmap_encode(at, spec["tensor_maps"][1], "fp16", k.shape, k.stride(), 0x10000)
-        ours = map_geometry(TensorMapArg(**{**spec["tensor_maps"][1], "box": (64, 128)}), k.shape, k.stride(), "fp16")
-        assert calls[0] == ("encode", at, 6, 4, 0x10000, list(ours.dims), list(ours.strides), list(ours.box), [1, 1, 1, 1],
-                            0, ours.swizzle, 3, 0)
-        maps = ((1, at, [0x10000]), (0, at + 128, [0x20000]))
-        module._tmap_repoint(maps, (0x20000, 0x10000, 0x30000, 0x40000))
-        assert calls[1:] == []                                     # nothing moved
-        module._tmap_repoint(maps, (0x50000, 0x60000, 0x30000, 0x40000))
-        assert calls[1:] == [("replace", at, 0x60000), ("replace", at + 128, 0x50000)]
-        with pytest.raises(ValueError, match="heads stride 0"):
-            module._tmap_geometry(spec["tensor_maps"][1], (2, 4, 300, 128), (300 * 128, 0, 128, 1))
-    finally:
-        module._TMAP_DRIVER[:] = []
 
 
 def _between_the_waits(sass: str, opcode: str = "MUFU.EX2") -> list[int]:
@@ -694,12 +673,11 @@ def test_an_exported_split_tail_kernel_sizes_its_workspace_as_the_launch_says(tm
     times = {label: {config: 100.0} for label in ("B4 H16 S2048 D64", "B4 H16 S2048 D128")}
     export_runs([make_run(tmp_path / "run", times, sdpa={label: 120.0 for label in times})], tmp_path / "out")
     module = load_module(tmp_path / "out")
-    module._multiprocessors = lambda device: 132   # the H100's multiprocessors, without a GPU to ask
     for head_dim in (64, 128):
-        spec = module.KERNELS[("fp16", head_dim, False, config.key())]
+        exported = module._export.data.kernels[("fp16", head_dim, False, config.key())].launches[0]
         launch = render("flash_attention", config, Variant(head_dim, False)).launches[0]
-        for shape in ((4, 16, 2048), (1, 8, 512), (1, 133, 128), (3, 5, 3000)):
-            assert module._counter_words(spec["launches"][0], *shape, 0) == launch.counter_words(*shape, 132)
+        for shape in ((4, 16, 2048), (1, 8, 512), (1, 133, 128), (3, 5, 3000)):   # on the H100's 132 multiprocessors
+            assert module.launch.counter_words(exported, *shape, 132) == launch.counter_words(*shape, 132)
         assert "split_tail" not in module.KERNELS[("fp16", head_dim, True, config.key())]["launches"][0]
 
 

@@ -38,10 +38,13 @@ PAIRED = ("evo", "evo op", "sdpa")
 
 
 def load_module(directory: Path) -> Any:
-    """The module of an export directory, imported from its file (named as kernel.json says)."""
+    """The module of an export directory: the runtime package beside kernel.json (named as it says),
+    or the single file of an older export."""
     info = json.loads((directory / "kernel.json").read_text())
     name = info.get("module", "evo_attention")
-    spec = importlib.util.spec_from_file_location(name, directory / f"{name}.py")
+    package = directory / name
+    spec = (importlib.util.spec_from_file_location(name, package / "__init__.py", submodule_search_locations=[str(package)])
+            if package.is_dir() else importlib.util.spec_from_file_location(name, directory / f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -183,8 +186,9 @@ def _cupy_args(module: Any, plan: dict, q: Any, k: Any, v: Any) -> tuple:
 
     kinds = {"ptr": np.uint64, "i32": np.int32, "i64": np.int64, "f32": np.float32}
     batch, heads, seq_q, head_dim = q.shape
-    values = module._scalar_args(batch, heads, k.shape[1], seq_q, k.shape[2], module._strides(q), module._strides(k),
-                                 module._strides(v), module._strides(q), module.LOG2E / math.sqrt(head_dim))
+    strides = module.arguments.element_strides
+    values = module.arguments.scalar_values(batch, heads, k.shape[1], seq_q, k.shape[2], strides(q), strides(k),
+                                            strides(v), strides(q), module.LOG2E / math.sqrt(head_dim))
     arguments = plan["arguments"]
     values.update(Q=q.data_ptr(), K=k.data_ptr(), V=v.data_ptr(), O=arguments.O, WS=arguments.WS)
     return tuple(kinds[kind](values[name]) for name, kind in module.KERNELS[plan["kernel"]]["args"])

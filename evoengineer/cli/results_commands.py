@@ -62,9 +62,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             entry = next((e for e in board["entries"] if e["rank"] == args.rank), None)
             if entry is None:
                 raise UsageError(f"--rank {args.rank}: {runs[0]} has {len(board['entries'])} ranked entries")
-            written = export_entry(runs[0], entry, board, Path(args.out))
+            written = export_entry(runs[0], entry, board, Path(args.out), module_name=args.module)
         else:
-            written = export_runs(runs, Path(args.out))
+            written = export_runs(runs, Path(args.out), module_name=args.module)
     except ExportError as exc:
         raise UsageError(str(exc)) from None
     console = Console(highlight=False)
@@ -130,4 +130,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", nargs="+", help="run directories (runs/<run>): per case the fastest configuration of them all")
     p.add_argument("--rank", type=int, help="export only this leaderboard rank of one run (a single configuration)")
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--module", default="evo_attention",
+                   help="name of the exported package (a Python identifier; default evo_attention)")
     p.set_defaults(func=cmd_export)

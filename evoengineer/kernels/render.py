@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -39,6 +38,7 @@ from pathlib import Path
 import jinja2
 
 from ..resources import template_names, templates_dir
+from ..runtime.grid import counter_words, grid
 from ..space import Config, Variant
 
 KERNEL_ARGS = (
@@ -72,27 +72,15 @@ class Launch:
 
     def counter_words(self, batch: int, heads: int, seq_q: int, sms: int) -> tuple[int, int]:
         """(32-bit words of WS, how many of them are zeroed first) for a tile-counter launch on
-        ``sms`` multiprocessors: one counter, and with ``split_tail`` where the tiles outnumber
-        the CTAs, the counters and partials of the cut tiles."""
-        tiles = math.ceil(seq_q / self.rows_per_cta) * batch * heads
-        if self.split_tail is None or tiles <= sms:
-            return 1, 1
-        counters, floats = self.split_tail
-        zeroed = 1 + sms * counters
-        return (zeroed + 3) // 4 * 4 + sms * floats, zeroed
+        ``sms`` multiprocessors (``runtime.grid.counter_words``)."""
+        return counter_words(self, batch, heads, seq_q, sms)
 
     def grid(self, batch: int, heads: int, seq_q: int, sms: int | None = None,
              heads_kv: int | None = None) -> tuple[int, int, int]:
-        """The launch grid; a persistent kernel gets at most ``sms`` CTAs (every work tile
-        its own CTA when ``sms`` is None: correct, only not persistent); a packed one a grid
-        row per (batch, K/V head) (``heads_kv``: K/V heads, ``heads`` when None)."""
-        if self.pack_gqa:
-            kv_heads = heads_kv or heads
-            return (math.ceil(seq_q * (heads // kv_heads) / self.rows_per_cta), batch * kv_heads, self.grid_z)
-        if self.persistent:
-            tiles = math.ceil(seq_q / self.rows_per_cta) * batch * heads
-            return (max(1, min(tiles, sms or tiles)), 1, 1)
-        return (math.ceil(seq_q / self.rows_per_cta), batch * heads, self.grid_z)
+        """The launch grid (``runtime.grid.grid``); a persistent kernel gets at most ``sms`` CTAs
+        (every work tile its own CTA when ``sms`` is None: correct, only not persistent); a packed
+        one a grid row per (batch, K/V head) (``heads_kv``: K/V heads, ``heads`` when None)."""
+        return grid(self, batch, heads, heads_kv or heads, seq_q, sms)
 
     @property
     def threads(self) -> int:

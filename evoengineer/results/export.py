@@ -1,24 +1,26 @@
-"""Export searched kernels as one drop-in Python module.
+"""Export searched kernels as a drop-in Python package.
 
 ``export_runs`` combines the measurements of one or more runs: for every measured case
 the fastest configuration (``per_shape``), one kernel per distinct (configuration,
-dtype, head dim, causal), and a dispatch table in the module that picks a configuration
-per call. ``export_entry`` exports a single leaderboard entry (``--rank N``). Both write
-``<out>/<module>.py`` (needs only torch and cupy), the CUDA sources and ``kernel.json``
-(configurations, kernels, the dispatch rule and table).
+dtype, head dim, causal), and a dispatch table that picks a configuration per call.
+``export_entry`` exports a single leaderboard entry (``--rank N``). Both write
+``<out>/<module>/`` (the runtime package ``evoengineer.runtime``, copied verbatim; needs only
+torch and cupy), the CUDA sources and ``kernel.json`` (configurations, kernels' launch
+metadata, the dispatch table, the op namespace, provenance), which the package reads as
+plain JSON at import. Nothing is generated as code.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import re
+import shutil
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-import jinja2
-
-from ..resources import templates_dir
+from .. import runtime
 from ..space import Config, Variant
 from .per_shape import (
     DISPATCH_RULE,
@@ -35,12 +37,16 @@ from .per_shape import (
 
 MODULE_NAME = "evo_attention"
 
-POINTER_ARGS = ("Q", "K", "V", "O", "WS")
-"""The kernel's pointer arguments, in the roles the module fills per call."""
-KNOWN_SCALARS = ("B", "H", "H_kv", "S_q", "S_k", "q_sb", "q_sh", "q_ss", "k_sb", "k_sh", "k_ss",
-                 "v_sb", "v_sh", "v_ss", "o_sb", "o_sh", "o_ss", "scale_log2")
-"""Scalar arguments the module knows how to fill (``kernels.render.KERNEL_ARGS``, plus
-``H_kv`` of the GQA templates)."""
+from ..runtime.kernel_file import POINTER_ARGS
+from ..runtime.kernel_file import SCALAR_ARGS as KNOWN_SCALARS
+
+RUNTIME_DIR = Path(runtime.__file__).resolve().parent
+"""The runtime package, copied verbatim into every export."""
+RUNTIME_MARK = '"""The runtime of an exported attention module'
+"""How the runtime's ``__init__.py`` begins: an earlier export's package, which a new export replaces."""
+OLD_MODULE_MARK = '"""FlashAttention forward found by EvoEngineer'
+"""How the single-file module of exports before the runtime package began."""
+RESERVED_NAMES = frozenset({"torch", "cupy", "numpy", "transformers", "evoengineer", "triton"})
 
 
 @dataclass
@@ -144,6 +150,7 @@ def export_runs(runs: Sequence[Path], out: Path, module_name: str = MODULE_NAME)
     configuration per call by the nearest measured case."""
     from ..kernels import RenderError
 
+    check_module_name(module_name)
     per = per_shape_winners([Path(r) for r in runs])
     run_of = {str(r.path): r for r in per.runs}
     all_variants: dict[tuple[str, int, bool], Variant] = {}
@@ -174,6 +181,7 @@ def export_runs(runs: Sequence[Path], out: Path, module_name: str = MODULE_NAME)
 
 def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_name: str = MODULE_NAME) -> list[Path]:
     """One configuration (a leaderboard entry) for every variant of the run's space."""
+    check_module_name(module_name)
     run = RunInfo.load(Path(run_path))
     config = MeasuredConfig(entry["key"], entry["key"], dict(entry["config"]), run.space.template, str(run.path))
     winners = []
@@ -190,9 +198,41 @@ def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_nam
     return _write(out, module_name, per, specs, mode="rank", notes=[], measured=measured)
 
 
+def check_module_name(name: str) -> None:
+    """ExportError unless ``name`` can be the export's package: an identifier that shadows no
+    standard or required module."""
+    if not runtime.is_identifier(name):
+        raise ExportError(f"module name {name!r}: not a Python identifier (letters, digits and _, not first a digit)")
+    if name in RESERVED_NAMES or name in getattr(sys, "stdlib_module_names", ()):
+        raise ExportError(f"module name {name!r}: would shadow the module of that name; choose another")
+
+
+def _clear_earlier_export(out: Path, module_name: str) -> None:
+    """Remove what an earlier export of ``module_name`` left in ``out`` (its package, or the single
+    file of exports before the runtime package); ExportError where something else has that name."""
+    package, single = out / module_name, out / f"{module_name}.py"
+    if package.exists():
+        init = package / "__init__.py"
+        if not package.is_dir() or not init.is_file() or not init.read_text(errors="replace").startswith(RUNTIME_MARK):
+            raise ExportError(f"{package}: exists and is not an exported runtime package; choose another --out or --module")
+        shutil.rmtree(package)
+    if single.exists():
+        if not single.read_text(errors="replace").startswith(OLD_MODULE_MARK):
+            raise ExportError(f"{single}: exists and is not an exported module; choose another --out or --module")
+        single.unlink()
+
+
+def _copy_runtime(package: Path) -> None:
+    package.mkdir()
+    for source in sorted(RUNTIME_DIR.glob("*.py")):
+        shutil.copyfile(source, package / source.name)
+
+
 def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], *, mode: str, notes: list[str],
            measured: dict | None) -> list[Path]:
+    check_module_name(module_name)
     out.mkdir(parents=True, exist_ok=True)
+    _clear_earlier_export(out, module_name)
     written: list[Path] = []
     for spec in specs:
         path = out / f"{module_name}_{spec.filename_stem}.cu"
@@ -201,53 +241,39 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
     have = {(s.dtype, s.variant.head_dim, s.variant.causal): set() for s in specs}
     for s in specs:
         have[(s.dtype, s.variant.head_dim, s.variant.causal)].add(s.config_id)
-    dispatch: dict[tuple[str, int, bool], tuple[str, list[tuple[int, int, int, int, str]]]] = {}
+    dispatch: dict[tuple[str, int, bool], tuple[str, list[Any]]] = {}
     for vkey, ids in sorted(have.items()):
         cases = [w for w in per.winners if w.shape.variant_key == vkey and w.config in ids]
         fallback = per.fallback if per.fallback in ids else (cases[0].config if cases else sorted(ids)[0])
-        dispatch[vkey] = (fallback, [(w.shape.batch * w.shape.heads, w.shape.seq_q, w.shape.seq_k,
-                                      max(1, w.shape.heads // w.shape.heads_kv), w.config) for w in cases])
+        dispatch[vkey] = (fallback, cases)
     used = sorted({s.config_id for s in specs})
-    fingerprint = json.dumps([sorted((s.key, s.rendered.source_hash) for s in specs), sorted(dispatch.items())], default=str)
+    fingerprint = json.dumps([sorted((s.key, s.rendered.source_hash) for s in specs),
+                              sorted((k, v[0], [(w.shape.batch * w.shape.heads, w.shape.seq_q, w.shape.seq_k,
+                                                 max(1, w.shape.heads // w.shape.heads_kv), w.config) for w in v[1]])
+                                     for k, v in dispatch.items())], default=str)
     namespace = "evoengineer_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:8]
     gpu, arch = per.runs[0].gpu, per.runs[0].arch
-    decode = _decode_note(per, dispatch)
-
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
-                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    configs_literal = {cid: {"label": per.configs[cid].label(), "short": short_config(per.configs[cid].config),
-                             "config": per.configs[cid].config} for cid in used}
-    module = env.get_template("_export_module.py.j2").render(
-        module_name=module_name, namespace=namespace, gpu=gpu, arch=arch, mode=mode,
-        spaces=", ".join(dict.fromkeys(r.space.name for r in per.runs)),
-        summary=[f"{cid[:6]} {configs_literal[cid]['short']}: {sum(1 for w in per.winners if w.config == cid)} measured case(s)"
-                 + (" (fallback)" if cid == per.fallback else "") for cid in used],
-        configs_literal=_py(configs_literal), fallback=per.fallback,
-        dispatch_literal=_py({k: (v[0], tuple(v[1])) for k, v in dispatch.items()}),
-        kernels=[{"key": _py(s.key), "launches": _py([_launch(l) for l in s.rendered.launches]),
-                  "workspace": s.rendered.workspace_floats_per_row, "args": _py(s.args), "features": _py(s.features),
-                  "tensor_maps": _py([m.to_json() for m in s.rendered.tensor_maps]),
-                  "source": repr(s.rendered.source)} for s in specs],
-        rule=DISPATCH_RULE,
-    )
-    module_path = out / f"{module_name}.py"
-    module_path.write_text(module)
-
+    table = [(w.shape, w.config) for w in per.winners]
+    configs = {cid: {"label": per.configs[cid].label(), "short": short_config(per.configs[cid].config),
+                     "config": per.configs[cid].config} for cid in used}
     fallback_cfg = per.configs[per.fallback]
     info: dict[str, Any] = {
-        "module": module_name, "op": f"{namespace}::attention", "mode": mode,
+        "schema": runtime.SCHEMA,
+        "module": module_name, "op_namespace": namespace, "op": f"{namespace}::attention", "mode": mode,
         "config": fallback_cfg.config, "key": fallback_cfg.key, "template": fallback_cfg.template,
         "space": per.runs[0].space.name, "arch": arch, "gpu": gpu,
         "runs": [{"path": str(r.path), "space": r.space.name, "gpu": r.gpu, "arch": r.arch} for r in per.runs],
-        "configs": {cid: {**configs_literal[cid], "key": per.configs[cid].key, "template": per.configs[cid].template,
-                          "run": per.configs[cid].run,
+        "configs": {cid: {**configs[cid], "key": per.configs[cid].key, "template": per.configs[cid].template,
+                          "run": per.configs[cid].run, "cases_won": sum(1 for w in per.winners if w.config == cid),
                           "variants": sorted(f"{s.dtype} {s.variant.label()}" for s in specs if s.config_id == cid)}
                     for cid in used},
         "dispatch": {
             "rule": DISPATCH_RULE,
             "fallback": per.fallback,
-            "variants": [{"dtype": k[0], "head_dim": k[1], "causal": k[2], "fallback": v[0],
-                          "measured_cases": len(v[1])} for k, v in dispatch.items()],
+            "variants": [{"dtype": k[0], "head_dim": k[1], "causal": k[2], "fallback": v[0], "measured_cases": len(v[1]),
+                          "cases": [{"batch": w.shape.batch, "heads": w.shape.heads, "heads_kv": w.shape.heads_kv,
+                                     "seq_q": w.shape.seq_q, "seq_k": w.shape.seq_k, "config": w.config} for w in v[1]]}
+                         for k, v in dispatch.items()],
             "table": [{"case": w.label, **{f: getattr(w.shape, f) for f in ("dtype", "batch", "heads", "heads_kv", "seq_q",
                                                                           "seq_k", "head_dim", "causal")},
                        "config": w.config, "config_short": short_config(per.configs[w.config].config),
@@ -255,7 +281,7 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
                        "sdpa_us": w.sdpa_us, "speedup_vs_sdpa": w.speedup, "run": w.run}
                       for w in per.winners],
         },
-        "decode": decode,
+        "decode": _decode_note(per, dispatch, table),
         "kernels": [_kernel_info(s, module_name) for s in specs],
         "notes": notes,
     }
@@ -263,7 +289,13 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
         info.update(rank=measured["rank"], measured=measured, resources=measured.get("resources", {}))
     info_path = out / "kernel.json"
     info_path.write_text(json.dumps(info, indent=2))
-    return [module_path, *written, info_path]
+    package = out / module_name
+    _copy_runtime(package)
+    try:  # the package reads exactly this at import: a writer out of step with the reader fails here
+        runtime.read_kernel_file(info_path)
+    except runtime.KernelFileError as exc:
+        raise ExportError(f"the export does not read back: {exc}") from None
+    return [package, *written, info_path]
 
 
 def _kernel_info(spec: KernelSpec, module_name: str) -> dict:
@@ -271,14 +303,15 @@ def _kernel_info(spec: KernelSpec, module_name: str) -> dict:
     meta.pop("kernel_args", None)  # the signature this source declares is "args"
     return {**meta, "config": spec.config_id, "params": meta["config"], "dtype": spec.dtype,
             "head_dim": spec.variant.head_dim, "causal": spec.variant.causal,
-            "source": f"{module_name}_{spec.filename_stem}.cu", "args": [n for n, _ in spec.args], "features": spec.features}
+            "launches": [_launch(launch) for launch in spec.rendered.launches],
+            "source": f"{module_name}_{spec.filename_stem}.cu", "args": [list(a) for a in spec.args],
+            "features": spec.features}
 
 
-def _decode_note(per: PerShape, dispatch: dict) -> dict:
+def _decode_note(per: PerShape, dispatch: dict, table: list[tuple[Shape, str]]) -> dict:
     """Which configurations serve q_len = 1: measured decode cases, and for each non-causal
     variant the configuration a typical decode call (B8, S_k 4096) gets."""
     measured = [{"case": w.label, "config": w.config} for w in per.winners if w.shape.seq_q == 1]
-    table = [(w.shape, w.config) for w in per.winners]
     examples = []
     for (dtype, head_dim, causal), (fallback, _) in dispatch.items():
         if causal:
@@ -303,8 +336,3 @@ def _launch(launch: Any) -> dict:
             "pack_gqa": launch.pack_gqa, "tile_counter": launch.tile_counter,
             **({"split_tail": {"counter_words_per_cta": launch.split_tail[0], "floats_per_cta": launch.split_tail[1]}}
                if launch.split_tail else {})}
-
-
-def _py(value: Any) -> str:
-    """A Python literal (dicts, lists, tuples, str, int, float, bool, None)."""
-    return repr(value)

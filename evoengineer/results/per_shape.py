@@ -4,32 +4,25 @@ Every ``ok`` record of a run's ``results.jsonl`` carries the median device time 
 configuration on each case of the space. For each case (dtype, B, H, H_kv, S_q, S_k, D,
 causal) measured by any of the given runs, the configuration with the shortest median
 wins. The exported module dispatches a call to the winner of the *nearest* measured
-case of the same (dtype, head dim, causal): nearest in the L1 distance of the logs of
-(B*H, S_q, S_k, H/H_kv); a decode call (S_q 1) looks only at the decode cases (S_q 1)
-where some were measured. A (dtype, head dim, causal) with no measured case gets the
+case of the same (dtype, head dim, causal) by the rule of ``evoengineer.runtime.dispatch``
+(``nearest`` applies it here). A (dtype, head dim, causal) with no measured case gets the
 fallback configuration: the geometric-mean winner (rank 1) of the first run.
 """
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..gpu import fastest_sdpa
+from ..runtime.dispatch import RULE, nearest_index, point
 from ..search import RunDir, best_results
 from ..space import Case, Config, Space, Variant, load_space
 
-DISPATCH_RULE = (
-    "a call (dtype, head_dim, causal, B, H, H_kv, S_q, S_k; S_q the query length, S_k the K/V length) runs the "
-    "configuration that won the nearest measured case of the same (dtype, head_dim, causal), nearest in the L1 "
-    "distance of the natural logs of (B*H, S_q, S_k, H/H_kv), ties to the earlier case in the table; a decode call "
-    "(S_q = 1) looks only at the measured decode cases (S_q = 1) where the (dtype, head_dim, causal) has any; a "
-    "(dtype, head_dim, causal) without measured cases runs the fallback configuration (the geometric-mean winner "
-    "of the first run)"
-)
+DISPATCH_RULE = RULE
+"""The rule every export dispatches by (``evoengineer.runtime.dispatch``)."""
 DTYPES = ("fp16", "bf16")
 _DTYPE_ALIASES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "f16": "fp16",
                   "bf16": "bf16", "bfloat16": "bf16"}
@@ -74,28 +67,12 @@ class Shape:
         return f"B{self.batch} {heads} {seq} D{self.head_dim}{' causal' if self.causal else ''} {self.dtype}"
 
 
-def point(batch: int, heads: int, heads_kv: int, seq_q: int, seq_k: int) -> tuple[float, float, float, float]:
-    return (math.log(max(1, batch * heads)), math.log(max(1, seq_q)), math.log(max(1, seq_k)),
-            math.log(max(1, heads // max(1, heads_kv))))
-
-
-def distance(a: Sequence[float], b: Sequence[float]) -> float:
-    return sum(abs(x - y) for x, y in zip(a, b))
-
-
 def nearest(cases: Sequence[tuple[Shape, str]], shape: Shape) -> str | None:
-    """The configuration of the nearest case of ``shape``'s variant (the module's rule, in Python):
-    a decode shape (S_q 1) is matched against the variant's decode cases where it has any."""
-    here = shape.point()
-    pool = [(index, case, config_id) for index, (case, config_id) in enumerate(cases) if case.variant_key == shape.variant_key]
-    if shape.seq_q == 1 and any(case.seq_q == 1 for _, case, _ in pool):
-        pool = [entry for entry in pool if entry[1].seq_q == 1]
-    best: tuple[float, int, str] | None = None
-    for index, case, config_id in pool:
-        d = distance(here, case.point())
-        if best is None or (d, index) < best[:2]:
-            best = (d, index, config_id)
-    return best[2] if best else None
+    """The configuration of the case of ``shape``'s variant that serves ``shape`` by the exports'
+    rule (``DISPATCH_RULE``), or None when the variant has no case."""
+    pool = [(case, config_id) for case, config_id in cases if case.variant_key == shape.variant_key]
+    index = nearest_index([case for case, _ in pool], shape.batch, shape.heads, shape.heads_kv, shape.seq_q, shape.seq_k)
+    return None if index is None else pool[index][1]
 
 
 # -- what a run measured ---------------------------------------------------------------

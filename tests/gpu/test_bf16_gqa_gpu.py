@@ -243,8 +243,11 @@ def test_exported_module_runs_bf16_and_gqa(tmp_path) -> None:
     import importlib.util
 
     # a name of its own: another test imports another export as evo_attention in this process
-    spec = importlib.util.spec_from_file_location("evo_attention_bf16_gqa", out / "evo_attention.py")
+    package = out / "evo_attention"   # the exported runtime package, beside kernel.json
+    spec = importlib.util.spec_from_file_location("evo_attention_bf16_gqa", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # its relative imports find it here
     spec.loader.exec_module(module)
     attention = module.attention
     for dtype in (torch.float16, torch.bfloat16):

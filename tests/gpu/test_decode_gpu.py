@@ -179,8 +179,11 @@ def test_decode_search_exported_with_a_prefill_run(tmp_path: Path) -> None:
     info = json.loads((out / "kernel.json").read_text())
     assert "S_q" in info["dispatch"]["rule"] and {m["case"] for m in info["decode"]["measured_cases"]} == labels
 
-    spec = importlib.util.spec_from_file_location("evo_attention_decode", out / "evo_attention.py")
+    package = out / "evo_attention"   # the exported runtime package, beside kernel.json
+    spec = importlib.util.spec_from_file_location("evo_attention_decode", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # its relative imports find it here
     spec.loader.exec_module(module)
     decode_keys = {r["key"] for r in results}
     for dtype in (torch.float16, torch.bfloat16):

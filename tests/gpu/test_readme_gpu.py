@@ -37,6 +37,6 @@ def test_quick_start_as_typed(tmp_path: Path) -> None:
             assert len(runs) == 1
             run = runs[0]
             assert str(run.relative_to(tmp_path)) in proc.stdout  # search printed the directory the README refers to
-    assert run is not None and (run / "report.html").exists() and (tmp_path / "best" / "evo_attention.py").exists()
+    assert run is not None and (run / "report.html").exists() and (tmp_path / "best" / "evo_attention" / "__init__.py").exists()
     snippet = subprocess.run([sys.executable, "-c", python], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert snippet.returncode == 0, snippet.stderr

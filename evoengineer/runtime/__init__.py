@@ -1,0 +1,77 @@
+"""The runtime of an exported attention module: torch, cupy and the standard library only.
+
+``evoengineer export`` copies this package verbatim into the export directory (as
+``<out>/evo_attention/``) beside ``kernel.json`` (configurations, dispatch table, launch metadata,
+op namespace, provenance) and the kernels' CUDA sources. Imported there, the package reads that
+kernel.json as plain JSON and serves it:
+
+    import sys; sys.path.insert(0, "best")
+    from evo_attention import attention
+    out = attention(q, k, v, is_causal=True)    # (batch, heads, seq, head_dim) CUDA tensors
+
+    import evo_attention; evo_attention.register_hf()   # transformers: attn_implementation="evo"
+
+attention(q, k, v, is_causal=False, scale=None, enable_gqa=False) follows
+torch.nn.functional.scaled_dot_product_attention: is_causal masks top-left aligned (query i
+sees keys 0..i, also when seq_q != seq_k), scale defaults to 1/sqrt(head_dim) and must be
+positive, enable_gqa lets k and v have fewer heads than q (kernels that take a K/V head count
+only, see GQA). No attn_mask, no dropout, no backward.
+
+Each kernel is compiled at first use by NVRTC (cupy.RawModule) for the GPU present and launched
+with cupy.cuda.driver.launchKernel on torch's current stream, reading and writing the tensors in
+place through their strides; kernels that load by TMA also take tensor maps (cuTensorMapEncodeTiled
+through ctypes). Each call runs one configuration, chosen by the nearest measured case
+(DISPATCH_RULE). Per shape, strides, dtype and device the plan is prepared once (per thread);
+a repeated call only reads the pointers, allocates the output and launches.
+
+It is also the torch custom op torch.ops.<OP_NAMESPACE>.attention with a fake implementation, so
+torch.compile(fullgraph=True) traces it and CUDA graphs capture it (warm up each shape, or call
+compile_all(), before capturing). dispatch(...) answers which configuration serves a shape,
+explain(q, k, v, ...) what a call runs; hf_attention / register_hf plug it into transformers.
+
+As ``evoengineer.runtime`` (the library), it is the search's tensor-map encoder and dispatch rule,
+and ``exported.ExportedAttention`` loads any export's kernel.json.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .dispatch import RULE as DISPATCH_RULE
+from .dispatch import DispatchTable, MeasuredCase, NoKernelError, VariantTable, nearest_index, point
+from .kernel_file import SCHEMA, ExportData, KernelFileError, is_identifier, read_kernel_file
+from .tensormap import TensorMapError
+
+if __name__ == "evoengineer.runtime":
+    __all__ = [
+        "DISPATCH_RULE", "SCHEMA", "DispatchTable", "ExportData", "KernelFileError", "MeasuredCase", "NoKernelError",
+        "TensorMapError", "VariantTable", "is_identifier", "nearest_index", "point", "read_kernel_file",
+    ]
+else:  # a copy in an export directory: serve the kernel.json beside this package
+    from .exported import KERNEL_FILE, ExportedAttention
+    from .launch import LOG2E
+
+    try:
+        _export = ExportedAttention.load(Path(__file__).resolve().parent.parent / KERNEL_FILE)
+    except KernelFileError as exc:  # an export that cannot serve is a module that cannot be imported
+        raise ImportError(str(exc)) from None
+    attention = _export.attention
+    attention_op = _export.op
+    """torch.ops.<OP_NAMESPACE>.attention.default: the same computation through the dispatcher."""
+    dispatch = _export.dispatch
+    explain = _export.explain
+    compile_all = _export.compile_all
+    hf_attention = _export.hf_attention
+    register_hf = _export.register_hf
+    OP_NAMESPACE = _export.data.op_namespace
+    ARCH = _export.data.arch
+    """The GPU architecture searched on; kernels compile for the GPU present."""
+    FALLBACK = _export.data.fallback
+    CONFIGS = _export.configs()
+    KERNELS = _export.kernel_table()
+    DISPATCH = _export.dispatch_table()
+    DTYPES = _export.data.dtypes
+    HEAD_DIMS = _export.data.head_dims
+    GQA = _export.gqa
+    """Whether every kernel takes a K/V head count (grouped-query attention without copies)."""
+    __all__ = ["attention", "attention_op", "dispatch", "explain", "compile_all", "hf_attention", "register_hf",
+               "CONFIGS", "DISPATCH", "DISPATCH_RULE", "GQA", "KERNELS", "OP_NAMESPACE", "LOG2E"]

@@ -1,0 +1,249 @@
+"""Launch: a call's plan (dispatch, kernels, grids, packed arguments, tensor maps), built once
+per shape, strides, dtype and device, and the per-call work (pointers, output, launches with
+``cupy.cuda.driver.launchKernel`` on torch's current stream)."""
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import tensormap
+from .arguments import PackedArguments, element_strides, pack_arguments, scalar_values
+from .checks import DTYPE_NAMES, Coverage, check_inputs, refuse_grad
+from .dispatch import DispatchTable
+from .grid import counter_words, grid
+from .kernel_file import ExportData, KernelSpec
+from .loading import KernelCache, import_cupy
+
+LOG2E = 1.4426950408889634
+MAX_GRID_ROWS = 65535
+MAX_PLANS = 512
+"""Plans kept per thread; past this many shapes the cache starts over."""
+ALIGNMENT_ERROR = ("attention: q, k and v need 16-byte aligned data pointers (a view that starts mid-row "
+                   "is not); pass .contiguous() copies")
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: int) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+# torch's current stream as a raw handle and the current device, without Stream objects (the
+# calls torch's compiled code makes); the public API where a torch build lacks them
+raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
+current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
+
+
+# -- tensor maps ----------------------------------------------------------------------------------
+
+MapSlot = tuple[int, int, list]
+"""(index of the tensor in (q, k, v, out), address of its encoded map, [the pointer it holds])."""
+
+
+def repoint(maps: Sequence[MapSlot], pointers: Sequence[int]) -> None:
+    """Point each map at this call's tensor where it moved."""
+    driver = tensormap.driver()
+    for slot, at, last in maps:
+        pointer = pointers[slot]
+        if pointer != last[0]:
+            driver.replace_address(at, pointer)
+            last[0] = pointer
+
+
+# -- the per-call work ----------------------------------------------------------------------------
+
+Launch = tuple[int, int, int, int, int, int, int, int]
+"""(CUfunction handle, grid x, y, z, block x, y, z, dynamic shared memory)."""
+
+
+def make_run(packed: PackedArguments, launches: Sequence[Launch], ws_floats: int, device: int,
+             launch_kernel: Callable[..., Any], maps: Sequence[MapSlot] = (), counter: tuple[int, int] | None = None
+             ) -> Callable[[Any, Any, Any], Any]:
+    """The per-call work: pointers, the output, tensor maps moved to this call's tensors, the
+    launches on torch's current stream. A kernel whose CTAs take work tiles from a counter gets a
+    zeroed one per call (one memset on the same stream); ``counter`` is (words, zeroed words) of
+    its workspace."""
+    struct = packed.values
+    params_addr = packed.address
+    stream_of, device_now, move_maps = raw_stream, current_device, repoint
+    empty_like, empty, zeros, f32, i32 = torch.empty_like, torch.empty, torch.zeros, torch.float32, torch.int32
+    launches = tuple(launches)
+
+    def run(q: Any, k: Any, v: Any) -> Any:
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if (qp | kp | vp) & 15:
+            raise ValueError(ALIGNMENT_ERROR)
+        out = empty_like(q)
+        op = out.data_ptr()
+        struct.Q, struct.K, struct.V, struct.O = qp, kp, vp, op
+        if maps:
+            move_maps(maps, (qp, kp, vp, op))
+        if ws_floats:
+            ws = empty(ws_floats, dtype=f32, device=q.device)  # noqa: F841 - alive until the launches are queued
+            struct.WS = ws.data_ptr()
+        elif counter:
+            words, zeroed = counter
+            if words == zeroed:
+                ws = zeros(words, dtype=i32, device=q.device)
+            else:  # the cut tiles' partials need no zeroing
+                ws = empty(words, dtype=i32, device=q.device)
+                ws[:zeroed].zero_()
+            struct.WS = ws.data_ptr()
+        if device_now() == device:
+            stream = stream_of(device)
+            for f, gx, gy, gz, bx, by, bz, smem in launches:
+                launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params_addr, 0)
+        else:
+            with torch.cuda.device(device):
+                stream = stream_of(device)
+                for f, gx, gy, gz, bx, by, bz, smem in launches:
+                    launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params_addr, 0)
+        return out
+
+    return run
+
+
+@dataclass
+class Plan:
+    """What a call with one shape, strides, dtype and device runs (``run``) and how."""
+
+    run: Callable[[Any, Any, Any], Any]
+    config: str | None = None
+    kernel: KernelSpec | None = None
+    launches: tuple[Launch, ...] = ()
+    packed: PackedArguments | None = None
+    ws_floats: int = 0
+    counter: tuple[int, int] | None = None
+    raw_kernels: tuple[Any, ...] = ()
+    keep: tuple[Any, ...] = ()
+    """Buffers the launches point into (tensor maps), alive as long as the plan."""
+
+
+def _empty_output(q: Any, k: Any, v: Any) -> Any:
+    return torch.empty_like(q)
+
+
+class Launcher:
+    """Plans per thread and the forward computation of one export."""
+
+    def __init__(self, data: ExportData, table: DispatchTable, coverage: Coverage, kernels: KernelCache) -> None:
+        self.data, self.table, self.coverage, self.kernels = data, table, coverage, kernels
+        self._local = threading.local()
+        self.forward = self._make_forward()
+
+    def plans(self) -> dict[tuple, Plan]:
+        """This thread's plans, by call key."""
+        return self._local.__dict__.setdefault("plans", {})
+
+    def _make_forward(self) -> Callable[..., Any]:
+        local, build, grad_enabled = self._local, self.plan, torch.is_grad_enabled
+
+        def forward(q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool) -> Any:
+            if (q.requires_grad or k.requires_grad or v.requires_grad) and grad_enabled():
+                refuse_grad(q, k, v)
+            key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+                   q.get_device(), k.get_device(), v.get_device(), is_causal, scale, enable_gqa)
+            try:
+                plan = local.plans[key]
+            except (AttributeError, KeyError):
+                plans = local.__dict__.setdefault("plans", {})
+                plan = build(q, k, v, is_causal, scale, enable_gqa)
+                if len(plans) >= MAX_PLANS:
+                    plans.clear()
+                plans[key] = plan
+            return plan.run(q, k, v)
+
+        return forward
+
+    def cached_plan(self, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool) -> Plan:
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+               q.get_device(), k.get_device(), v.get_device(), is_causal, scale, enable_gqa)
+        plans = self.plans()
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = self.plan(q, k, v, is_causal, scale, enable_gqa)
+        return plan
+
+    def plan(self, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool) -> Plan:
+        """Everything a call with this shape, strides, dtype and device needs, prepared once."""
+        check_inputs(self.coverage, q, k, v, is_causal, scale, enable_gqa)
+        batch, heads, seq_q, head_dim = (int(x) for x in q.shape)
+        heads_kv, seq_k = int(k.shape[1]), int(k.shape[2])
+        if seq_q == 0 or batch * heads == 0:
+            return Plan(_empty_output)
+        if seq_k == 0:
+            raise ValueError("attention: k and v hold no keys (seq_k = 0)")
+        if batch * heads > MAX_GRID_ROWS:
+            raise ValueError(f"attention: batch * heads = {batch * heads} exceeds the grid's {MAX_GRID_ROWS} (the kernels "
+                             "put one (batch, head) per grid row); split the batch")
+        dtype, causal, device = DTYPE_NAMES[q.dtype], bool(is_causal), q.get_device()
+        cid = self.table.choose(dtype, head_dim, causal, batch, heads, seq_q, seq_k, heads_kv)
+        spec = self.data.kernels[(dtype, head_dim, causal, cid)]
+        out_meta = torch.empty_like(q, device="meta")
+        strides = (element_strides(q), element_strides(k), element_strides(v), element_strides(out_meta))
+        if any(s % 8 for group in strides for s in group):
+            raise ValueError(f"attention: strides must be multiples of 8 elements (16 bytes), got q {tuple(q.stride())}, "
+                             f"k {tuple(k.stride())}, v {tuple(v.stride())}; pass .contiguous() copies")
+        functions = self.kernels.functions(spec.key, device)
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        values: dict[str, int | float] = {**scalar_values(batch, heads, heads_kv, seq_q, seq_k, *strides, scale * LOG2E),
+                                          "Q": 0, "K": 0, "V": 0, "O": 0, "WS": 0}
+        maps, map_at, keep = self._encode_maps(spec, q, k, v, out_meta)
+        packed = pack_arguments(spec.args, values, map_at)
+        sms = multiprocessors(device) if any(l.persistent or l.split_tail for l in spec.launches) else 0
+        launches = tuple((handle, *grid(launch, batch, heads, heads_kv, seq_q, sms), *launch.block, launch.smem)
+                         for (_, handle), launch in zip(functions, spec.launches))
+        ws_floats = batch * heads * seq_q * spec.workspace_floats_per_row
+        cupy = import_cupy()
+        if current_device() == device:
+            cupy.cuda.runtime.setDevice(device)  # binds the device's context to this thread for the driver-API launch
+        counter = next((counter_words(launch, batch, heads, seq_q, sms) for launch in spec.launches
+                        if launch.tile_counter), None)
+        run = make_run(packed, launches, ws_floats, device, cupy.cuda.driver.launchKernel, maps, counter)
+        return Plan(run, cid, spec, launches, packed, ws_floats, counter, tuple(fn for fn, _ in functions), keep)
+
+    def _encode_maps(self, spec: KernelSpec, q: Any, k: Any, v: Any, out_meta: Any
+                     ) -> tuple[tuple[MapSlot, ...], dict[str, int], tuple[Any, ...]]:
+        """Encode the tensor maps of a TMA kernel over these tensors (the output's at q's address
+        until the first call re-points it)."""
+        if not spec.tensor_maps:
+            return (), {}, ()
+        storage = tensormap.MapStorage(len(spec.tensor_maps))
+        tensors = {"q": q, "k": k, "v": v, "out": out_meta}
+        pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.data_ptr())
+        if any(p & 15 for p in pointers):
+            raise ValueError(ALIGNMENT_ERROR)
+        slots = ("q", "k", "v", "out")
+        maps: tuple[MapSlot, ...] = ()
+        map_at: dict[str, int] = {}
+        try:
+            driver = tensormap.driver()
+            for m, at in zip(spec.tensor_maps, storage.addresses):
+                t, slot = tensors[m.tensor], slots.index(m.tensor)
+                driver.encode(at, tensormap.map_geometry(m, t.shape, t.stride(), spec.dtype), pointers[slot])
+                maps += ((slot, at, [pointers[slot]]),)
+                map_at[m.arg] = at
+        except tensormap.TensorMapError as exc:
+            raise ValueError(f"attention: {exc}") from None
+        return maps, map_at, (storage,)
+
+    def explain(self, q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None,
+                enable_gqa: bool = False) -> dict[str, Any]:
+        """What such a call runs (the plan is built and the kernels compiled if needed)."""
+        plan = self.cached_plan(q, k, v, is_causal, scale, enable_gqa)
+        if plan.config is None or plan.kernel is None or plan.packed is None:
+            return {"config": None, "launches": [], "workspace_bytes": 0}
+        info = self.data.configs[plan.config]
+        return {
+            "config": plan.config, "short": info.short, "params": info.params, "kernel": plan.kernel.key,
+            "launches": [{"grid": l[1:4], "block": l[4:7], "smem": l[7]} for l in plan.launches],
+            # a tile counter: 4 zeroed bytes per call (more where the last tiles are cut over every CTA)
+            "workspace_bytes": 4 * (plan.ws_floats or (plan.counter[0] if plan.counter else 0)),
+            "handles": [l[0] for l in plan.launches], "params_address": plan.packed.address,
+            "raw_kernels": list(plan.raw_kernels),
+            "arguments": plan.packed.values,  # the packed ctypes structure (pointers Q, K, V, O, WS set per call)
+        }
