@@ -147,3 +147,31 @@ def test_invalid_backward_configs_are_named_by_the_rules_and_refused_by_the_temp
     assert found and any(fragment in line for line in found)
     with pytest.raises(RenderError):
         render(BACKWARD_TEMPLATE, config, Variant(head_dim, False))
+
+
+def test_reference_gradients_are_top_left_causal_and_sum_grouped_heads() -> None:
+    """The gate's references (on the CPU here): SDPA's math autograd equals a hand-written attention's
+    with a top-left causal mask over seq_q != seq_k and K/V repeated over each group of query heads."""
+    import math
+
+    import torch
+
+    from evoengineer.gpu.backward import reference_lse, rule_check, sdpa_gradients
+
+    gen = torch.Generator().manual_seed(3)
+    q, do = (torch.randn(1, 4, 5, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 2, 9, 16, generator=gen) for _ in range(2))
+    o, dq, dk, dv = sdpa_gradients(q, k, v, do, True, None, torch.float32)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    scores = qq @ kk.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(16)
+    scores = scores.masked_fill(~torch.ones(5, 9, dtype=torch.bool).tril(), float("-inf"))
+    out = torch.softmax(scores, -1) @ vv.repeat_interleave(2, 1)
+    grads = torch.autograd.grad(out, (qq, kk, vv), do)
+    for ours, ref in zip((o, dq, dk, dv), (out, *grads)):
+        torch.testing.assert_close(ours, ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(reference_lse(q, k, True, None), torch.logsumexp(scores, -1).detach())
+    _, *low = sdpa_gradients(q.half(), k.half(), v.half(), do.half(), True, None)
+    assert low[0].dtype == torch.float16
+    assert rule_check("dq", dq.half(), dq, low[0]).ok
+    assert not rule_check("dq", torch.full_like(dq, float("nan")), dq, low[0]).ok
+    assert not rule_check("dq", dq + 10 * (low[0].float() - dq).abs().max() + 1, dq, low[0]).ok

@@ -188,14 +188,16 @@ def load_backward(config: Config, variant: Variant, device: Any) -> BackwardKern
     return _LOADED[key]
 
 
-def load_forward_lse(config: Config, variant: Variant, device: Any) -> AttentionKernel:
-    """The ``WRITE_LSE=1`` forward of ``config`` for ``variant`` on ``device`` (built and loaded once)."""
+def load_forward_lse(config: Config, variant: Variant, device: Any, *, write_lse: bool = True) -> AttentionKernel:
+    """The ``WRITE_LSE=1`` forward of ``config`` for ``variant`` on ``device`` (built and loaded once);
+    ``write_lse=False``: the same configuration's inference kernel (``WRITE_LSE=0``), to compare."""
     import torch
 
+    config = config.replace(WRITE_LSE=int(write_lse))
     fast = (FORWARD_TEMPLATE, config, variant, _device_index(device))
     if fast in _BY_CONFIG:
         return _BY_CONFIG[fast]
-    rendered, cubin = _build(FORWARD_TEMPLATE, config.replace(WRITE_LSE=1), variant, device)
+    rendered, cubin = _build(FORWARD_TEMPLATE, config, variant, device)
     key = (rendered.source_hash, _device_index(device))
     if key not in _LOADED:
         with torch.cuda.device(device):
@@ -241,3 +243,83 @@ def attention_backward(q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, scale:
         config = default_config(variant.head_dim, deterministic_dq=deterministic)
     kernel = load_backward(config, variant, q.device)
     return kernel(q, k, v, o, lse, do, scale, **buffers)
+
+
+# ---- references and the gradient rule (tests, the check script and, later, the gate) ----------
+
+def sdpa_gradients(q: Any, k: Any, v: Any, do: Any, causal: bool, scale: float | None,
+                   dtype: Any = None) -> tuple[Any, Any, Any, Any]:
+    """``(o, dq, dk, dv)`` by autograd of SDPA's math backend on q, k, v, do cast to ``dtype`` (their
+    own when None), reductions in that dtype too (``allow_fp16_bf16_reduction_math_sdp``): fp32 gives
+    the reference, the inputs' dtype the low-precision baseline of flash-attn's error rule."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dtype = dtype or q.dtype
+    qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal, scale=scale,
+                                               enable_gqa=q.shape[1] != k.shape[1])
+            dq, dk, dv = torch.autograd.grad(o, (qr, kr, vr), do.to(dtype))
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+    return o.detach(), dq, dk, dv
+
+
+def reference_lse(q: Any, k: Any, causal: bool, scale: float | None) -> Any:
+    """Row log-sum-exp of the scaled scores in fp32, (B, H, S_q); causal is top-left aligned."""
+    import torch
+
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    kr = k.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), kr.transpose(-1, -2)) * scale
+    if causal:
+        s_q, s_k = q.shape[2], k.shape[2]
+        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.logsumexp(scores, dim=-1)
+
+
+@dataclass(frozen=True)
+class RuleCheck:
+    """flash-attn's rule for one tensor: ``err <= 2 * lowp_err + eps``."""
+
+    name: str
+    err: float
+    lowp_err: float
+    eps: float
+
+    @property
+    def bound(self) -> float:
+        return 2.0 * self.lowp_err + self.eps
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= self.bound   # NaN fails
+
+    def __str__(self) -> str:
+        return f"{self.name}: max err {self.err:.3g} vs bound {self.bound:.3g} (2 x lowp {self.lowp_err:.3g} + eps {self.eps:.3g})"
+
+
+RULE_EPS_REL = 1e-3
+RULE_EPS_ABS = 1e-5
+"""eps of the rule: 1e-3 of the fp32 reference's largest magnitude, plus 1e-5."""
+
+
+def rule_check(name: str, ours: Any, ref32: Any, lowp: Any) -> RuleCheck:
+    """``max|ours - ref32| <= 2 max|lowp - ref32| + eps``, eps = 1e-3 max|ref32| + 1e-5; any NaN or
+    infinity in ``ours`` fails."""
+    import torch
+
+    if ours.numel() == 0:
+        return RuleCheck(name, 0.0, 0.0, RULE_EPS_ABS)
+    ref = ref32.float()
+    err = (ours.float() - ref).abs().max().item() if bool(torch.isfinite(ours).all()) else float("nan")
+    lowp_err = (lowp.float() - ref).abs().max().item()
+    eps = RULE_EPS_REL * ref.abs().max().item() + RULE_EPS_ABS
+    return RuleCheck(name, err, lowp_err, eps)
