@@ -163,7 +163,7 @@ def time_op(op: Callable[[], Any], reps: int, flush: Any) -> float:
     pairs = []
     for _ in range(reps):
         flush.zero_()
-        torch.cuda._sleep(300_000)   # ~0.2 ms of GPU spin: the call's launches are queued before it starts
+        torch.cuda._sleep(1_000_000)   # ~0.6 ms of GPU spin: the call's launches are queued before it starts
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         op()
