@@ -77,9 +77,12 @@ class AttentionKernel:
             except TensorMapError as exc:
                 raise LaunchError(str(exc)) from None
 
-    def __call__(self, q: Any, k: Any, v: Any, out: Any, scale: float | None = None, *, checked: bool = True) -> Any:
+    def __call__(self, q: Any, k: Any, v: Any, out: Any, scale: float | None = None, *, checked: bool = True,
+                 workspace: Any = None) -> Any:
         """Run attention(q, k, v) into ``out`` on torch's current stream; returns ``out``.
-        k and v may have fewer heads than q (grouped-query attention, as SDPA's ``enable_gqa``)."""
+        k and v may have fewer heads than q (grouped-query attention, as SDPA's ``enable_gqa``).
+        ``workspace``: a caller's float32 CUDA tensor of at least the declared workspace, passed as
+        ``WS`` instead of the kernel's own (a ``WRITE_LSE`` forward leaves the row log-sum-exp there)."""
         import cupy
         import torch
 
@@ -90,7 +93,12 @@ class AttentionKernel:
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         ws_floats = self.rendered.workspace_floats(batch, heads, seq_q)
         ws_ptr = 0
-        if ws_floats:
+        if workspace is not None:
+            if (workspace.dtype != torch.float32 or workspace.device != q.device or not workspace.is_contiguous()
+                    or workspace.numel() < ws_floats):
+                raise LaunchError(f"workspace: expected a contiguous float32 tensor on {q.device} of at least {ws_floats} elements")
+            ws_ptr = workspace.data_ptr()
+        elif ws_floats:
             if self._workspace is None or self._workspace.numel() < ws_floats or self._workspace.device != q.device:
                 self._workspace = torch.empty(ws_floats, dtype=torch.float32, device=q.device)
             ws_ptr = self._workspace.data_ptr()

@@ -1,0 +1,175 @@
+"""The backward pass's configurations: parameters, validity, shared memory, launches.
+
+One place for what ``templates/flash_attention_bwd.cu.j2`` (the ``mma`` path,
+``_attn_bwd_mma.cuh.j2``) honours; the template states the same rules and the CPU tests
+check that both agree. A backward configuration is a ``Config`` of
+
+- ``BLOCK_M``: query rows per tile of the dK/dV kernel (16, 32, 64, 128; at most ``BLOCK_N``),
+- ``BLOCK_N``: keys per CTA of the dK/dV kernel (64 or 128; one warp per 16 keys),
+- ``STAGES``: 1 or 2 (the next Q/dO tile loads during this one),
+- ``DQ_MODE``: ``atomic`` (dQ by fp32 reductions into a workspace, then a conversion) or
+  ``separate`` (a deterministic kernel over query tiles),
+- ``DQ_BLOCK_M``, ``DQ_BLOCK_N``: the separate dQ kernel's query rows per CTA (64, 128) and keys per tile
+  (32, 64, 128).
+
+The forward that feeds it is an ``mma`` forward with ``WRITE_LSE=1`` (``forward_lse_config``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from ..space import Config
+from .render import Rendered, parameter_kinds
+
+BACKWARD_TEMPLATE = "flash_attention_bwd"
+FORWARD_TEMPLATE = "flash_attention"
+DQ_MODES = ("atomic", "separate")
+HEAD_DIMS = (64, 128)
+DEFAULTS: dict[str, int | str] = {"PATH": "mma", "STAGES": 2, "DQ_MODE": "atomic", "DQ_BLOCK_M": 64, "DQ_BLOCK_N": 64}
+ROW_THREADS = 128
+"""Threads of the per-row kernels (preprocess, dQ conversion): 16-byte chunks, one per thread."""
+
+
+def backward_config(block_m: int, block_n: int, *, stages: int = 2, dq_mode: str = "atomic",
+                    dq_block_m: int = 64, dq_block_n: int = 64) -> Config:
+    """A backward configuration with every parameter spelled out."""
+    return Config(PATH="mma", BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, DQ_MODE=dq_mode,
+                  DQ_BLOCK_M=dq_block_m, DQ_BLOCK_N=dq_block_n)
+
+
+def _values(config: Config) -> dict[str, int | str]:
+    return {**DEFAULTS, **dict(config)}
+
+
+def warps(config: Config) -> int:
+    """Warps of the dK/dV kernel: one per 16 keys of its tile."""
+    return int(config["BLOCK_N"]) // 16
+
+
+def problems(config: Config, head_dim: int) -> list[str]:
+    """Why ``config`` cannot build for ``head_dim`` (one line each); empty when it can."""
+    v = _values(config)
+    out: list[str] = []
+    if v["PATH"] != "mma":
+        out.append(f"PATH {v['PATH']!r}: the backward has the mma path only")
+    if head_dim not in HEAD_DIMS:
+        out.append(f"HEAD_DIM {head_dim}: the backward supports {', '.join(map(str, HEAD_DIMS))}")
+    bm, bn = v.get("BLOCK_M"), v.get("BLOCK_N")
+    if bn not in (64, 128):
+        out.append(f"BLOCK_N {bn}: must be 64 or 128")
+    if bm not in (16, 32, 64, 128) or (isinstance(bm, int) and isinstance(bn, int) and bm > bn):
+        out.append(f"BLOCK_M {bm}: must be 16, 32, 64 or 128 and at most BLOCK_N")
+    if v["STAGES"] not in (1, 2):
+        out.append(f"STAGES {v['STAGES']}: must be 1 or 2")
+    if v["DQ_MODE"] not in DQ_MODES:
+        out.append(f"DQ_MODE {v['DQ_MODE']!r}: must be one of {', '.join(DQ_MODES)}")
+    if v["DQ_BLOCK_M"] not in (64, 128) or v["DQ_BLOCK_N"] not in (32, 64, 128):
+        out.append("DQ_BLOCK_M must be 64 or 128 and DQ_BLOCK_N 32, 64 or 128")
+    if not out:
+        strips, w = int(bm) // 16, int(bn) // 16
+        if (head_dim // (w // strips)) % 16:
+            out.append(f"BLOCK_M {bm} with BLOCK_N {bn}: dQ column slices of HEAD_DIM {head_dim} are not multiples of 16")
+    return out
+
+
+def smem_bytes(config: Config, head_dim: int) -> dict[str, int]:
+    """Dynamic shared memory of each kernel (bytes), as the template declares it."""
+    v = _values(config)
+    bm, bn, stages, d = int(v["BLOCK_M"]), int(v["BLOCK_N"]), int(v["STAGES"]), head_dim
+    dkdv = 4 * bn * d + stages * (4 * bm * d + 8 * bm) + (2 * bn * (bm + 8) if v["DQ_MODE"] == "atomic" else 0)
+    out = {"attn_bwd_pre": 0, "attn_bwd_dkdv": dkdv}
+    if v["DQ_MODE"] == "atomic":
+        out["attn_bwd_dq_convert"] = 0
+    else:
+        out["attn_bwd_dq"] = 4 * int(v["DQ_BLOCK_M"]) * d + stages * 4 * int(v["DQ_BLOCK_N"]) * d
+    return out
+
+
+def fits(config: Config, head_dim: int, smem_per_block: int) -> bool:
+    """Valid for ``head_dim`` and within a device's shared memory per block."""
+    return not problems(config, head_dim) and max(smem_bytes(config, head_dim).values()) <= smem_per_block
+
+
+def deterministic(config: Config) -> bool:
+    """Bit-identical results run to run: dQ is not summed by atomics."""
+    return _values(config)["DQ_MODE"] == "separate"
+
+
+BACKWARD_CONFIGS: dict[int, dict[str, Config]] = {
+    64: {
+        "m64n64": backward_config(64, 64),
+        "m64n128": backward_config(64, 128),
+        "m32n128": backward_config(32, 128),
+        "m64n64-st1": backward_config(64, 64, stages=1),
+        "m64n64-sep": backward_config(64, 64, dq_mode="separate"),
+        "m64n128-sep": backward_config(64, 128, dq_mode="separate"),
+    },
+    128: {
+        "m32n64": backward_config(32, 64),
+        "m32n128": backward_config(32, 128),
+        "m16n64": backward_config(16, 64),
+        "m32n64-sep": backward_config(32, 64, dq_mode="separate"),
+        "m32n128-sep": backward_config(32, 128, dq_mode="separate", dq_block_n=32),
+    },
+}
+"""The configurations kept per head dim: each builds for sm_80 and sm_90 without spills (CPU tests)."""
+
+
+def default_config(head_dim: int, *, deterministic_dq: bool = False) -> Config:
+    """The backward configuration used when none is given."""
+    if head_dim not in BACKWARD_CONFIGS:
+        raise ValueError(f"head_dim {head_dim}: the backward supports {', '.join(map(str, HEAD_DIMS))}")
+    name = {64: "m64n64", 128: "m32n64"}[head_dim]
+    return BACKWARD_CONFIGS[head_dim][name + ("-sep" if deterministic_dq else "")]
+
+
+def forward_lse_config(head_dim: int) -> Config:
+    """An mma forward that also writes the row log-sum-exp (``WRITE_LSE=1``): 128 x 64 tiles, 8 warps
+    (no spills for D64 and D128 on sm_80 and sm_90)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim}: the backward supports {', '.join(map(str, HEAD_DIMS))}")
+    return Config(PATH="mma", BLOCK_M=128, BLOCK_N=64, WARPS=8, VEC=8, STAGES=2, SMEM_LAYOUT="swizzle",
+                  Q_IN_REGS=1, P_IN_REGS=1, SPLITS=1, KV_GROUPS=1, WRITE_LSE=1)
+
+
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """One kernel of the backward: its grid runs over query rows (``q``: ``(ceil(S_q / rows), B * H)``)
+    or key rows (``kv``: ``(ceil(S_k / rows), B * H_kv)``)."""
+
+    kernel: str
+    block: tuple[int, int, int]
+    smem: int
+    rows_per_cta: int
+    over: str
+
+    def grid(self, batch: int, heads: int, heads_kv: int, seq_q: int, seq_k: int) -> tuple[int, int, int]:
+        if self.over == "kv":
+            return (math.ceil(seq_k / self.rows_per_cta), batch * heads_kv, 1)
+        return (math.ceil(seq_q / self.rows_per_cta), batch * heads, 1)
+
+
+def backward_launches(rendered: Rendered) -> list[BackwardLaunch]:
+    """The launches a rendered backward declares (``// LAUNCH`` lines with ``"grid": "q"`` or ``"kv"``)."""
+    out = []
+    for line in rendered.source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("// LAUNCH "):
+            meta = json.loads(stripped[len("// LAUNCH "):])
+            over = meta.get("grid")
+            if over not in ("q", "kv"):
+                raise ValueError(f"backward launch {meta.get('kernel')!r}: 'grid' must be 'q' or 'kv', got {over!r}")
+            out.append(BackwardLaunch(str(meta["kernel"]), tuple(meta["block"]), int(meta["smem"]),  # type: ignore[arg-type]
+                                      int(meta["rows_per_cta"]), over))
+    return out
+
+
+def backward_arguments(rendered: Rendered) -> list[tuple[str, str]]:
+    """(name, kind) of every backward kernel parameter, from the source's ``// BWD_ARGS`` line."""
+    for line in rendered.source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("// BWD_ARGS "):
+            return parameter_kinds(stripped[len("// BWD_ARGS "):])
+    raise ValueError("the backward source declares no '// BWD_ARGS' line")
