@@ -12,7 +12,7 @@ from pathlib import Path
 import evoengineer
 
 PACKAGE_DIR = Path(evoengineer.__file__).parent
-STAGES = ("space", "kernels", "gpu", "search", "results", "cli")
+STAGES = ("paths", "space", "kernels", "gpu", "search", "results", "cli")
 
 
 def _module_name(path: Path) -> str:

@@ -157,11 +157,17 @@ def test_neighbours_are_valid_and_one_step_away() -> None:
     near = space.neighbours(seed)
     assert near and all(space.contains(n) for n in near)
     for n in near:
+        if n["PATH"] != seed["PATH"]:  # another path: the parameters both use keep their values where they can
+            other = space.path_space(n["PATH"])
+            assert all(n[k] == seed[k] for k in set(n) & set(seed) - {"PATH"} if seed[k] in other.param(k).values)
+            continue
         changed = [k for k in seed if seed[k] != n[k]]
-        assert len(changed) == 1
-        p = space.param(changed[0])
+        assert len(changed) == 1 and set(n) == set(seed)
+        p = space.path_space(seed["PATH"]).param(changed[0])
         if p.ordinal:
             assert abs(p.values.index(seed[changed[0]]) - p.values.index(n[changed[0]])) == 1
+    wgmma = next(s for s in space.search.seeds if s["PATH"] == "wgmma")
+    assert "WARPS" not in wgmma and all("WARPS" not in n for n in space.neighbours(wgmma) if n["PATH"] == "wgmma")
 
 
 def test_seeds_are_in_the_space() -> None:
