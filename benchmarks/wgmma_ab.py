@@ -57,8 +57,24 @@ def ab_space(shapes: list[tuple[int, int, int, int]], timeout_s: float, repetiti
             for name in TEMPLATE_ONLY:
                 if name in config and name not in SPACE.param_names:
                     extra.setdefault(name, []).append(config[name])
-    params = JUDGE.params + tuple(Param(name, tuple(dict.fromkeys(values))) for name, values in extra.items())
-    return replace(SPACE, cases=cases, timing=timing, params=params)
+    added = tuple(Param(name, tuple(dict.fromkeys(values))) for name, values in extra.items())
+    return replace(_with_wgmma_params(JUDGE, added), cases=cases, timing=timing)
+
+
+def _with_wgmma_params(space, params: tuple[Param, ...]):
+    """``space`` with ``params`` on its wgmma path (a value of a parameter it has joins that
+    parameter's values; a parameter it lacks is added)."""
+    wgmma = space.path_space("wgmma")
+    merged = {p.name: p for p in wgmma.params}
+    for p in params:
+        have = merged.get(p.name)
+        merged[p.name] = Param(p.name, have.values + tuple(v for v in p.values if v not in have.values)) if have else p
+    own = replace(wgmma, params=tuple(merged.values()))
+    union = {p.name: p for p in space.params}
+    for p in params:
+        have = union.get(p.name)
+        union[p.name] = Param(p.name, have.values + tuple(v for v in p.values if v not in have.values)) if have else p
+    return replace(space, params=tuple(union.values()), paths=tuple(own if q.name == "wgmma" else q for q in space.paths))
 
 
 def parse_param(text: str) -> tuple[str, tuple]:
@@ -76,8 +92,7 @@ TEMPLATE_ONLY = {"EXP2_FMA": 0, "CROSS_TILE": 0, "Q_STAGES": 1, "LAZY_RESCALE": 
 # values of space parameters the template takes and the space does not (yet), measured here
 TEMPLATE_VALUES = {"PINGPONG": (2,), "SOFTMAX_PIN": (1,)}
 # the h100 space with those values: what judges a pair (its constraints hold for them too)
-JUDGE = replace(SPACE, params=tuple(Param(p.name, p.values + tuple(v for v in TEMPLATE_VALUES.get(p.name, ())
-                                                                   if v not in p.values)) for p in SPACE.params))
+JUDGE = _with_wgmma_params(SPACE, tuple(Param(name, values) for name, values in TEMPLATE_VALUES.items()))
 
 
 def _in_space(config: Config) -> Config:
