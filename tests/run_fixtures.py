@@ -45,7 +45,7 @@ SDPA = {SMALL: 18.0, SMALL_C: 16.0, LARGE64: 260.0, LARGE64_C: 150.0, LARGE128: 
 def space_doc(name: str = "handmade") -> dict:
     doc = yaml.safe_load(builtin_spaces()["h100"].read_text())
     doc["name"] = name
-    doc["params"]["PACK_GQA"] = [0, 1]   # the decode winner packs grouped query heads
+    doc["paths"]["mma"]["params"]["PACK_GQA"] = [0, 1]   # the decode winner packs grouped query heads
     doc["problem"]["shapes"] = [
         {"B": 1, "H": 8, "S": 512, "D": 64, "causal": [False, True]},
         {"B": 4, "H": 16, "S": 2048, "D": 64, "causal": [False, True]},

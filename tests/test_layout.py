@@ -12,9 +12,10 @@ from pathlib import Path
 import evoengineer
 
 PACKAGE_DIR = Path(evoengineer.__file__).parent
-STAGES = ("runtime", "space", "kernels", "gpu", "bench", "search", "results", "cli")
+STAGES = ("runtime", "paths", "space", "kernels", "gpu", "bench", "search", "results", "cli")
 """Pipeline order. ``runtime`` (what an export copies verbatim) comes first: it imports no
-other stage, and any stage may import it."""
+other stage, and any stage may import it. ``paths`` (each kernel path's rules, plain functions
+of numbers) comes before ``space``, which evaluates them, and ``kernels``, which renders with them."""
 
 
 def _module_name(path: Path) -> str:

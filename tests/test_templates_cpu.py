@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from evoengineer import paths
 from evoengineer.kernels import CompileResult, Rendered, RenderError, compile_many, render
 from evoengineer.space import Config, Variant
 
@@ -57,12 +58,8 @@ CASES = [
 
 
 def expected_smem(case: Case) -> int:
-    """Dynamic shared memory of each path, as documented in its template."""
-    bm, bn, w, d = case.block_m, case.block_n, case.warps, case.head_dim
-    if case.path == "scalar":
-        rg = min(4, bm // w)
-        return (bm + 2 * bn) * (d + 8) * 2 + bm * d * 4 + w * rg * bn * 4 + bm * 8
-    return (bm + 2 * bn) * (d + 8) * 2 + bm * (bn + 4) * 4
+    """Dynamic shared memory of each path: its rules' (evoengineer/paths)."""
+    return paths.get(case.path).smem(case.config, case.head_dim)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 import torch
 from run_fixtures import load_module, make_run
 
+from evoengineer import paths
 from evoengineer.gpu.launch import argument_values
 from evoengineer.gpu.tensormap import (
     MAP_BYTES,
@@ -34,6 +35,8 @@ SPACE = load_space("h100")
 SEED = next(c for c in SPACE.search.seeds if c["PATH"] == "wgmma" and c["LOAD"] == "tma")
 NO_PRODUCER = SEED.replace(PRODUCER=0, REG_PRODUCER=0, REG_CONSUMER=0, PINGPONG=0, STAGES=3)
 PERSISTENT = SEED.replace(PERSISTENT=1)
+
+WGMMA = paths.get("wgmma")
 
 
 def _nvdisasm() -> str | None:
@@ -63,7 +66,7 @@ def test_a_tma_kernel_declares_its_tensor_maps_and_takes_them_last(config: Confi
     assert kernel_args(rendered.source, "attn_fwd") == rendered.arguments  # the signature says the same
     assert "cp.async.bulk.tensor.4d" in rendered.source and "load_tile<" not in rendered.source
     # shared memory: the cp.async layout plus the barriers
-    assert rendered.max_smem == 1024 + 2 * 128 * config["BLOCK_M"] + 4 * 128 * config["BLOCK_N"] * config["STAGES"] + 256
+    assert rendered.max_smem == WGMMA.smem(config, 128) == WGMMA.smem(config.replace(LOAD="cpasync", PRODUCER=0), 128) + 256
     meta = rendered.launch_metadata()
     assert [m["arg"] for m in meta["tensor_maps"]] == ["tm_q", "tm_k", "tm_v"]
     assert meta["kernel_args"].endswith("const __grid_constant__ CUtensorMap tm_v")
@@ -234,6 +237,8 @@ def test_cross_tile_and_a_second_q_buffer_need_persistent_ctas() -> None:
 
 def test_persistent_varies_where_a_tma_producer_loads_and_each_has_its_twin() -> None:
     valid = list(SPACE.valid_configs())
+    assert all("PERSISTENT" not in c for c in valid if c["PATH"] != "wgmma")
+    valid = [c for c in valid if c["PATH"] == "wgmma"]
     persistent = [c for c in valid if c["PERSISTENT"]]
     assert persistent and all(c["PATH"] == "wgmma" and c["PRODUCER"] == 1 and c["LOAD"] == "tma" for c in persistent)
     assert all(SPACE.contains(c.replace(PERSISTENT=0, O_TMA=0, SPLIT_TAIL=0)) for c in persistent)
@@ -245,20 +250,21 @@ def test_persistent_varies_where_a_tma_producer_loads_and_each_has_its_twin() ->
     # O_TMA only on persistent CTAs, each with its twin storing from registers; 32 KB more at D128
     stored = [c for c in valid if c["O_TMA"]]
     assert stored and all(c["PERSISTENT"] and SPACE.contains(c.replace(O_TMA=0)) for c in stored)
-    assert all(1024 + 512 * c["BLOCK_M"] + 512 * c["BLOCK_N"] * c["STAGES"] + 256 <= SPACE.target.smem_per_block for c in stored)
+    assert all(WGMMA.smem(c, 128) == WGMMA.smem(c.replace(O_TMA=0), 128) + 256 * c["BLOCK_M"] <= SPACE.target.smem_per_block
+               for c in stored)
     assert not any(c["BLOCK_N"] == 192 and c["BLOCK_M"] == 128 for c in stored)   # 128x192 with O: 260 KB
 
 
 def test_load_varies_on_the_wgmma_path_only_and_no_configuration_repeats() -> None:
     valid = list(SPACE.valid_configs())
     assert len({c.key() for c in valid}) == len(valid)
-    assert all(c["LOAD"] == "cpasync" for c in valid if c["PATH"] != "wgmma")
+    assert all("LOAD" not in c for c in valid if c["PATH"] != "wgmma")
     wgmma = [c for c in valid if c["PATH"] == "wgmma"]
     tma = {c.replace(LOAD="cpasync") for c in wgmma if c["LOAD"] == "tma"}
     cpasync = {c for c in wgmma if c["LOAD"] == "cpasync"}
     # every cp.async configuration has its TMA twin unless the barriers' 256 bytes do not fit
     for c in cpasync - tma:
-        assert not c["PRODUCER"] and 1024 + 256 * c["BLOCK_M"] + 512 * c["BLOCK_N"] * c["STAGES"] + 256 > SPACE.target.smem_per_block
+        assert not c["PRODUCER"] and WGMMA.smem(c.replace(LOAD="tma"), 128) > SPACE.target.smem_per_block
     # and TMA's single-thread producer lives with 24 registers at BLOCK_N 64 too
     assert any(c["REG_PRODUCER"] == 24 and c["BLOCK_N"] == 64 for c in tma - cpasync)
 

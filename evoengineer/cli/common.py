@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..space import Config, Space
+from ..space import Config, Space, SpaceError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 WIDE_HELP = ("every column, however wide (default: the columns that fit an 80-column terminal, "
@@ -54,8 +54,11 @@ def parse_config(text: str, space: Any) -> Config:
     unknown = [k for k in config if k not in space.param_names]
     if unknown:
         raise UsageError(f"--config: unknown parameter {unknown[0]!r}; {space.name} has {', '.join(space.param_names)}")
-    # parameters left out take their first value, as in the space's seeds
-    return Config({p.name: config.get(p.name, p.values[0]) for p in space.params})
+    # parameters left out take their (path's) first value, as in the space's seeds
+    try:
+        return space.complete(config, "--config")
+    except SpaceError as exc:
+        raise UsageError(f"{exc.key}: {exc.message}") from None
 
 
 def run_path(text: str) -> Path:

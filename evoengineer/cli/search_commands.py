@@ -24,7 +24,7 @@ from ..search import (
     recover_interrupted,
     run_search,
 )
-from ..space import STRATEGIES, Config, Space, parse_duration
+from ..space import STRATEGIES, Space, parse_duration
 from .common import EXIT_FAILED, EXIT_OK, WIDE_HELP, UsageError, load_space, require_gpu, restrict_shapes
 
 DEFAULT_RUNS = Path("runs")
@@ -98,7 +98,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                 raise UsageError(f"--run-dir: {path} already holds a run; add --resume to continue it")
             path.mkdir(parents=True, exist_ok=True)
             (path / "sources").mkdir(exist_ok=True)
-            (path / "space.yaml").write_text(space.path.read_text())
+            (path / "space.yaml").write_text(space.source_text())
             run = RunDir(path)
         else:
             run = RunDir.create(DEFAULT_RUNS, space)
@@ -223,7 +223,7 @@ def _finalize(run: RunDir, space: Space, evaluator: Any, finalists: list[dict], 
         from ..bench import retime
 
         with console.status(f"re-timing the top {len(finalists)} interleaved with SDPA ({retime_rounds} rounds)"):
-            reports = [evaluator.build(Config(r["config"])) for r in finalists]
+            reports = [evaluator.build(space.config(r["config"])) for r in finalists]
             retimed = retime(evaluator, reports, rounds=retime_rounds)
         run.write_json("retimed.json", retimed)
     flops = {c.label(): c.flops() for c in space.cases}

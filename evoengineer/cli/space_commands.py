@@ -40,7 +40,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             where = parse_expression(args.where, set(space.param_names) | set(space.environment()))
         except ExpressionError as exc:
             raise UsageError(f"--where: {exc}") from None
-        valid = [c for c in valid if where({**space.environment(), **c})]
+        # every parameter of the space, those a configuration's path does not use at their neutral values
+        valid = [c for c in valid if where({**space.environment(), **c.canonical()})]
     configs = valid if not args.limit or args.limit >= len(valid) else random.Random(args.seed).sample(valid, args.limit)
     console = _console(args)
     reports = []

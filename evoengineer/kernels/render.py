@@ -24,7 +24,9 @@ one ``const __grid_constant__ CUtensorMap`` per ``// TENSOR_MAP`` line, in their
 ``box`` = (columns, rows), shared memory swizzled as ``swizzle`` bytes (0, 32, 64, 128).
 
 Templates see the configuration's parameters plus ``HEAD_DIM``, ``CAUSAL`` and ``DTYPE``
-(``'fp16'`` or ``'bf16'``: the element type of Q, K, V and O, a compile-time choice).
+(``'fp16'`` or ``'bf16'``: the element type of Q, K, V and O, a compile-time choice) and, for a
+path of ``evoengineer.paths``, what its rules derive: ``PATH_SMEM_BYTES`` (the main kernel's
+dynamic shared memory at HEAD_DIM), ``PATH_THREADS`` and ``PATH_ROWS_PER_CTA``.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from pathlib import Path
 
 import jinja2
 
+from .. import paths
 from ..resources import template_names, templates_dir
 from ..runtime.grid import counter_words, grid
 from ..space import Config, Variant
@@ -217,12 +220,28 @@ def render(template: str, config: Config, variant: Variant, directory: str | Pat
             DTYPE=variant.dtype,
             KERNEL_ARGS=KERNEL_ARGS,
             CONFIG_LABEL=config.label(),
+            **derived(config, variant),
         )
     except jinja2.UndefinedError as exc:
         raise RenderError(f"template {template!r}: {exc.message}") from exc
     except jinja2.TemplateRuntimeError as exc:  # raised by {{ raise(...) }} style guards
         raise RenderError(f"template {template!r}: {exc}") from exc
     return from_source(template, config, variant, header + body)
+
+
+def derived(config: Config, variant: Variant) -> dict[str, int]:
+    """What the configuration's path derives from it at the variant's head dim (``PATH_SMEM_BYTES``,
+    ``PATH_THREADS``, ``PATH_ROWS_PER_CTA``); empty for another PATH or a configuration the path's
+    formulas cannot take (the template then rejects it by its own checks)."""
+    rules = paths.PATHS.get(str(config.get("PATH")))
+    if rules is None:
+        return {}
+    scope = rules.scope(config)
+    try:
+        return {"PATH_SMEM_BYTES": rules.smem_bytes(scope, variant.head_dim), "PATH_THREADS": rules.threads(scope),
+                "PATH_ROWS_PER_CTA": rules.rows_per_cta(scope)}
+    except (KeyError, TypeError, ArithmeticError):
+        return {}
 
 
 def from_source(template: str, config: Config, variant: Variant, source: str) -> Rendered:

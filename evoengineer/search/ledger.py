@@ -27,15 +27,13 @@ from typing import Any
 import optuna
 import sqlalchemy.exc
 
+from . import optuna_internals as internals
+
 PREFIX = "evoengineer:"
 _RETRIES = 8
 
 
-def rdb_backend(study: optuna.Study) -> optuna.storages.RDBStorage | None:
-    """The RDB storage under a study's (cached) storage, if it has one."""
-    storage = study._storage
-    backend = getattr(storage, "_backend", storage)
-    return backend if isinstance(backend, optuna.storages.RDBStorage) else None
+rdb_backend = internals.rdb_backend
 
 
 class Ledger:
@@ -45,17 +43,18 @@ class Ledger:
 
     def __init__(self, study: optuna.Study) -> None:
         self.study = study
-        self._study_id = study._study_id
-        self._rdb = rdb_backend(study)
+        self._storage = internals.storage(study)
+        self._study_id = internals.study_id(study)
+        self._rdb = internals.rdb_backend(study)
         self.free_after = 0
-        key = id(study._storage)
+        key = id(self._storage)
         self._lock = Ledger._local_locks.setdefault(key, threading.Lock())
 
     @property
     def atomic(self) -> bool:
         """Whether ``insert`` is a compare-and-set for every process on the storage (RDB),
         or at least within this process (in-memory storage)."""
-        return self._rdb is not None or isinstance(self.study._storage, optuna.storages.InMemoryStorage)
+        return self._rdb is not None or isinstance(self._storage, optuna.storages.InMemoryStorage)
 
     # -- entries --------------------------------------------------------------------
     def insert(self, key: str, value: Any) -> bool:
@@ -63,14 +62,14 @@ class Ledger:
         key = PREFIX + key
         if self._rdb is None:
             with self._lock:
-                if self.study._storage.get_study_system_attrs(self._study_id).get(key) is not None:
+                if self._storage.get_study_system_attrs(self._study_id).get(key) is not None:
                     return False
-                self.study._storage.set_study_system_attr(self._study_id, key, value)
+                self._storage.set_study_system_attr(self._study_id, key, value)
                 return True
-        from optuna.storages._rdb import models
+        model = internals.study_attribute_model()
 
         def add(session: Any) -> None:
-            session.add(models.StudySystemAttributeModel(study_id=self._study_id, key=key, value_json=json.dumps(value)))
+            session.add(model(study_id=self._study_id, key=key, value_json=json.dumps(value)))
 
         try:
             self._session(add)
@@ -80,28 +79,24 @@ class Ledger:
 
     def put(self, key: str, value: Any) -> None:
         """Create or overwrite ``key`` (for entries only their holder writes)."""
-        self.study._storage.set_study_system_attr(self._study_id, PREFIX + key, value)
+        self._storage.set_study_system_attr(self._study_id, PREFIX + key, value)
 
     def delete(self, key: str) -> None:
         key = PREFIX + key
         if self._rdb is None:
             with self._lock:
-                self.study._storage.set_study_system_attr(self._study_id, key, None)
+                self._storage.set_study_system_attr(self._study_id, key, None)
             return
-        from optuna.storages._rdb import models
-
-        model = models.StudySystemAttributeModel
+        model = internals.study_attribute_model()
         self._session(lambda s: s.query(model).filter(model.study_id == self._study_id, model.key == key).delete())
 
     def entries(self, prefix: str) -> dict[str, Any]:
         """Every entry whose key starts with ``prefix`` (the key without the prefixes)."""
         full = PREFIX + prefix
         if self._rdb is None:
-            attrs = self.study._storage.get_study_system_attrs(self._study_id)
+            attrs = self._storage.get_study_system_attrs(self._study_id)
             return {k[len(full):]: v for k, v in attrs.items() if k.startswith(full) and v is not None}
-        from optuna.storages._rdb import models
-
-        model = models.StudySystemAttributeModel
+        model = internals.study_attribute_model()
         rows = self._session(lambda s: [(r.key, r.value_json) for r in s.query(model).filter(
             model.study_id == self._study_id, model.key.like(full.replace("_", "\\_") + "%", escape="\\"))])
         return {k[len(full):]: json.loads(v) for k, v in rows}
@@ -110,10 +105,8 @@ class Ledger:
         """The entry ``key``, or None."""
         key = PREFIX + key
         if self._rdb is None:
-            return self.study._storage.get_study_system_attrs(self._study_id).get(key)
-        from optuna.storages._rdb import models
-
-        model = models.StudySystemAttributeModel
+            return self._storage.get_study_system_attrs(self._study_id).get(key)
+        model = internals.study_attribute_model()
         rows = self._session(lambda s: [r.value_json for r in s.query(model).filter(
             model.study_id == self._study_id, model.key == key)])
         return json.loads(rows[0]) if rows else None
@@ -122,7 +115,7 @@ class Ledger:
         """Run ``work(session)`` in one transaction; a locked SQLite database is retried."""
         assert self._rdb is not None
         for attempt in range(_RETRIES):
-            session = self._rdb.scoped_session()
+            session = internals.session(self._rdb)
             try:
                 out = work(session)
                 session.commit()
@@ -195,7 +188,5 @@ class Ledger:
         """Which of ``trial_ids`` ever recorded a heartbeat (RDB storages only)."""
         if self._rdb is None or not trial_ids:
             return set()
-        from optuna.storages._rdb import models
-
-        model = models.TrialHeartbeatModel
+        model = internals.heartbeat_model()
         return set(self._session(lambda s: [r.trial_id for r in s.query(model).filter(model.trial_id.in_(trial_ids))]))

@@ -12,7 +12,6 @@ import multiprocessing
 import os
 import queue
 import secrets
-import shutil
 import sys
 import threading
 import time
@@ -60,7 +59,7 @@ class RunDir:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         path = root / f"{stamp}-{space.name}-{secrets.token_hex(3)}"
         (path / "sources").mkdir(parents=True)
-        shutil.copyfile(space.path, path / "space.yaml")
+        (path / "space.yaml").write_text(space.source_text())
         return cls(path)
 
     @property
@@ -205,8 +204,9 @@ def open_study(space: Space, run: RunDir, *, strategy: str, seed: int | None, st
 
 
 def _config_of(frozen: optuna.trial.FrozenTrial, space: Space) -> Config | None:
-    config = Config({k: frozen.params[k] for k in space.param_names if k in frozen.params})
-    return config if len(config) == len(space.param_names) else None
+    if not all(k in frozen.params for k in space.param_names):
+        return None
+    return space.config({k: frozen.params[k] for k in space.param_names})
 
 
 def recover_interrupted(study: optuna.Study, run: RunDir, space: Space) -> int:
@@ -400,15 +400,15 @@ class _Search:
         names = self.space.param_names
         for values in (frozen.params, frozen.system_attrs.get("fixed_params")):
             if isinstance(values, dict) and all(n in values for n in names):
-                config = Config({n: values[n] for n in names})
+                config = self.space.config({n: values[n] for n in names})
                 break
         else:
             proposed = trial.relative_params  # the strategy proposes (and claims) a whole configuration
             if not all(n in proposed for n in names):
                 return suggest_config(trial, self.space)
-            config = Config({n: proposed[n] for n in names})
-        if any(n not in frozen.params for n in names):
-            store_params(self.study, trial, dict(config), self._distributions)
+            config = self.space.config({n: proposed[n] for n in names})
+        if any(n not in frozen.params for n in names):  # a trial holds every parameter, a path's unused ones neutral
+            store_params(self.study, trial, config.canonical(), self._distributions)
         return config
 
     def ask(self, pool: ProcessPoolExecutor | None) -> _Candidate | None:

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
+
+from .. import paths
 
 ParamValue = int | str | bool
 
@@ -17,10 +19,15 @@ class Config(Mapping[str, ParamValue]):
     """
 
     items_: tuple[tuple[str, ParamValue], ...]
+    unused_: tuple[tuple[str, ParamValue], ...] = field(default=(), compare=False)
+    """Parameters of the space this configuration's path does not use, at their neutral values
+    (``evoengineer.paths.NEUTRAL``): not part of the mapping, only of ``key()``."""
 
-    def __init__(self, values: Mapping[str, ParamValue] | None = None, /, **kwargs: ParamValue) -> None:
+    def __init__(self, values: Mapping[str, ParamValue] | None = None, /, *,
+                 unused: Mapping[str, ParamValue] | None = None, **kwargs: ParamValue) -> None:
         merged = {**(dict(values) if values else {}), **kwargs}
         object.__setattr__(self, "items_", tuple(sorted(merged.items())))
+        object.__setattr__(self, "unused_", tuple(sorted((k, v) for k, v in (unused or {}).items() if k not in merged)))
         object.__setattr__(self, "_values", dict(self.items_))  # a lookup, not a field: equality and hash use items_
 
     def __getitem__(self, name: str) -> ParamValue:
@@ -39,7 +46,8 @@ class Config(Mapping[str, ParamValue]):
         return f"Config({self.label()})"
 
     def replace(self, **changes: ParamValue) -> "Config":
-        return Config({**self._values, **changes})
+        """The same with ``changes``; a changed parameter its path does not use joins the mapping."""
+        return Config({**self._values, **changes}, unused=dict(self.unused_))
 
     def label(self) -> str:
         """``BLOCK_M=64,BLOCK_N=64,PATH=wmma``: the form ``--config`` accepts."""
@@ -72,30 +80,10 @@ class Config(Mapping[str, ParamValue]):
         SPLIT_TAIL=2 (a last round up to half full cut). ``pp2`` is PINGPONG=2
         (the turns carried over work tiles).
         """
-        values = dict(self.items_)
-        if values.get("PATH") == "wgmma":  # warpgroups instead of warps; the tile's rows give the consumers
-            for name, unused in (("WARPS", 1), ("VEC", 1)):
-                if values.get(name) == unused:
-                    values.pop(name)
-            if values.get("CONSUMER_WGS") is not None and values.get("BLOCK_M") == 64 * values["CONSUMER_WGS"]:
-                values.pop("CONSUMER_WGS")
-            if values.get("REG_PRODUCER") and values.get("REG_CONSUMER") and values.get("PRODUCER") == 1:
-                values["SETMAXNREG"] = f"{values.pop('REG_PRODUCER')}/{values.pop('REG_CONSUMER')}"
-                values.pop("PRODUCER")  # register reallocation implies the producer warpgroup
-            if values.get("INTRA_WG_OVERLAP") in (1, 2):
-                values["INTRA_WG_OVERLAP"] = _overlap_token(values)
-            if values.get("LOAD") == "tma":
-                values.pop("LOAD")
-                values["PATH"] = "tma"  # the wgmma path loading by TMA
-                if values.get("PERSISTENT") in (1, 2):
-                    # ... from persistent CTAs (``dtma``: taking their work tiles from a counter)
-                    values["PATH"] = "ptma" if values.pop("PERSISTENT") == 1 else "dtma"
-                    if values["PATH"] == "dtma" and values.get("SPLIT_TAIL") in (1, 2):
-                        # ... which cut a short last round over every CTA (stream-K; ``htma``: up to half full)
-                        values["PATH"] = "stma" if values.pop("SPLIT_TAIL") == 1 else "htma"
-                    if values.get("O_TMA") == 1:
-                        values.pop("O_TMA")
-                        values["PATH"] += "o"  # ... which store O by TMA as well
+        values: dict[str, Any] = dict(self.items_)
+        path = paths.PATHS.get(str(values.get("PATH")))
+        if path is not None and path.label is not None:  # the path's own tokens (wgmma: warpgroups, loads, overlap)
+            path.label(values)
         parts = [str(values.pop("PATH"))] if "PATH" in values else []
         if "BLOCK_M" in values and "BLOCK_N" in values:
             parts.append(f"{values.pop('BLOCK_M')}x{values.pop('BLOCK_N')}")
@@ -114,9 +102,16 @@ class Config(Mapping[str, ParamValue]):
         parts += [f"{name}={_text(value)}" for name, value in sorted(values.items())]
         return " ".join(parts)
 
+    def canonical(self) -> dict[str, ParamValue]:
+        """Every parameter of the space, those the path does not use at their neutral values:
+        what ``key()`` hashes."""
+        return {**dict(self.unused_), **self._values}
+
     def key(self) -> str:
-        """Stable short hash of the parameters (same on every machine and run)."""
-        blob = json.dumps(dict(self.items_), sort_keys=True, separators=(",", ":"))
+        """Stable short hash of the parameters (same on every machine and run); a path's unused
+        parameters count at their neutral values, so the key is the one the configuration had
+        when every path carried every parameter of its space."""
+        blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     def to_dict(self) -> dict[str, Any]:
@@ -163,24 +158,6 @@ _SHORT: tuple[tuple[str, str, ParamValue | None], ...] = (
     ("P_SMEM", "ps", 0),
     ("LOAD", "", "cpasync"),
 )
-
-
-def _overlap_token(values: dict[str, ParamValue]) -> str:
-    """The wgmma path's token for INTRA_WG_OVERLAP 1 or 2 (``ovl``, ``ov2``), with the parameters
-    that need the overlap folded in and popped from ``values``: Q_IN_REGS=1 (``ovq``, ``oq2``),
-    P_SMEM=1 as the first letter (``svl``, ``sq2``: P V reads P from shared memory) and, with
-    overlap 1, SOFTMAX_PIN's digit (``ovl3``, ``ovq2``)."""
-    overlap = values["INTRA_WG_OVERLAP"]
-    q_in_regs = values.get("Q_IN_REGS") == 1
-    if q_in_regs:
-        values.pop("Q_IN_REGS")
-    token = ("ovq" if q_in_regs else "ovl") if overlap == 1 else ("oq2" if q_in_regs else "ov2")
-    if values.get("P_SMEM") == 1:
-        values.pop("P_SMEM")
-        token = "s" + token[1:]
-    if overlap == 1 and values.get("SOFTMAX_PIN") in (1, 2, 3):
-        token += _text(values.pop("SOFTMAX_PIN"))
-    return token
 
 
 def _text(value: ParamValue) -> str:

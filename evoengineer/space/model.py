@@ -18,6 +18,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import yaml
 
+from .. import paths as kernel_paths
 from ..resources import builtin_spaces, template_names
 from .config import Config, ParamValue
 from .expressions import ExpressionError, SafeExpression, parse_expression
@@ -160,6 +161,34 @@ class Constraint:
 
 
 @dataclass(frozen=True)
+class PathSpace:
+    """One kernel path of a space: the values of each parameter it uses (the shared ones, then
+    its own) and the space's constraints on it (the file's top-level ones, then the path's). The
+    path's own rules (``evoengineer.paths``) apply as well, unwritten."""
+
+    name: str
+    params: tuple[Param, ...]
+    constraints: tuple[Constraint, ...] = ()
+
+    @property
+    def rules(self) -> kernel_paths.KernelPath:
+        return kernel_paths.get(self.name)
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def size(self) -> int:
+        return math.prod(len(p.values) for p in self.params)
+
+
+@dataclass(frozen=True)
 class Timing:
     warmup: int = 10
     repetitions: int = 100
@@ -211,6 +240,12 @@ class Space:
     raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
     dtype_tolerances: tuple[tuple[str, float, float], ...] = ()
     """(dtype, atol, rtol) of dtypes whose tolerance differs from ``atol``/``rtol``."""
+    paths: tuple[PathSpace, ...] = ()
+    """The kernel paths of a space written per path (``paths:`` in the file), each with its own
+    parameters; empty for a flat space, whose every configuration has every parameter. ``params``
+    is then PATH followed by the union of the paths' parameters (the values a search encodes)."""
+    extends: str | None = None
+    """The space this one's file extends (``extends:``), as written."""
 
     # -- derived ---------------------------------------------------------------
     def tolerance(self, dtype: str) -> tuple[float, float]:
@@ -281,6 +316,10 @@ class Space:
         }
 
     def total_size(self) -> int:
+        """Configurations before the constraints: the product of the parameters' value counts,
+        summed over the paths of a space written per path."""
+        if self.paths:
+            return sum(p.size() for p in self.paths)
         return math.prod(len(p.values) for p in self.params)
 
     def for_arch(self, arch: str) -> "Space":
@@ -288,15 +327,89 @@ class Space:
         constraints then see that ``ARCH``/``ARCH_NAME``, so arch-specific paths drop out."""
         return self if arch == self.target.arch else replace(self, target=replace(self.target, arch=arch)).reseeded()
 
+    # -- configurations of a space written per path --------------------------------------
+    def path_space(self, name: Any) -> PathSpace | None:
+        """The path ``name`` of a space written per path (None for another name or a flat space)."""
+        for p in self.paths:
+            if p.name == name:
+                return p
+        return None
+
+    def unused(self, path: str) -> dict[str, ParamValue]:
+        """The space's parameters that ``path`` does not use, at their neutral values (what its
+        configurations hash with, see ``Config.key``); empty for a flat space."""
+        own = self.path_space(path)
+        if own is None:
+            return {}
+        used = {"PATH", *own.param_names}
+        return {p.name: kernel_paths.NEUTRAL.get(p.name, p.values[0]) for p in self.params if p.name not in used}
+
+    def config(self, values: Mapping[str, ParamValue]) -> Config:
+        """The space's configuration of ``values``: on a space written per path, the parameters
+        of ``values``' path (others dropped), hashing as before; on a flat space, ``values``."""
+        own = self.path_space(values.get("PATH"))
+        if own is None:
+            return Config(values)
+        names = {"PATH", *own.param_names}
+        return Config({k: v for k, v in values.items() if k in names}, unused=self.unused(own.name))
+
+    def complete(self, values: Mapping[str, ParamValue], key: str = "config") -> Config:
+        """A configuration from a partial one (a seed, ``--config``): what it leaves out takes its
+        path's first value (PATH: the first path). A parameter its path does not use is accepted
+        at its neutral value (a configuration recorded when every path carried every parameter)
+        and dropped. SpaceError naming ``key`` for an unknown parameter or value."""
+        values = dict(values)
+        if not self.paths:
+            for name in values:
+                if name not in self.param_names:
+                    raise SpaceError(self.path, f"{key}.{name}", f"unknown parameter{_hint(name, self.param_names)}")
+            params = self.params
+        else:
+            path = values.setdefault("PATH", self.paths[0].name)
+            own = self.path_space(path)
+            if own is None:
+                names = [p.name for p in self.paths]
+                raise SpaceError(self.path, f"{key}.PATH", f"{path!r} is not one of {names}{_hint(str(path), names)}")
+            neutral = self.unused(own.name)
+            for name in list(values):
+                if name == "PATH" or name in own.param_names:
+                    continue
+                if name in neutral and values[name] == neutral[name]:
+                    del values[name]
+                    continue
+                where = f"the {own.name} path does not use it" if name in self.param_names else "unknown parameter"
+                raise SpaceError(self.path, f"{key}.{name}", f"{where}{_hint(name, own.param_names)}")
+            params = own.params
+        for p in params:
+            values.setdefault(p.name, p.values[0])
+            if values[p.name] not in p.values:
+                raise SpaceError(self.path, f"{key}.{p.name}", f"{values[p.name]!r} is not one of {list(p.values)}")
+        return self.config(values)
+
     def violations(self, config: Mapping[str, ParamValue], head_dim: int | None = None) -> list[str]:
-        """Constraint texts that ``config`` breaks (empty when valid); with ``head_dim``, those it
-        breaks in this space narrowed to the shapes of that head dim."""
-        env = {**self.environment(), **config}
+        """Constraint texts that ``config`` breaks (empty when valid), the path's own rules first
+        on a space written per path; with ``head_dim``, those it breaks in this space narrowed to
+        the shapes of that head dim."""
+        env = self.environment()
         if head_dim is not None:
             env.update(MAX_HEAD_DIM=head_dim, MIN_HEAD_DIM=head_dim)
-        return [c.text for c in self.constraints if not c.expression(env)]
+        if not self.paths:
+            env.update(config)
+            return [c.text for c in self.constraints if not c.expression(env)]
+        own = self.path_space(config.get("PATH"))
+        if own is None:
+            return [f"PATH is one of {', '.join(p.name for p in self.paths)}"]
+        scope = own.rules.scope(config, env)
+        return own.rules.violations(scope) + [c.text for c in own.constraints if not c.expression(scope)]
 
     def contains(self, config: Mapping[str, ParamValue]) -> bool:
+        if self.paths:
+            own = self.path_space(config.get("PATH"))
+            if own is None or set(config) != {"PATH", *own.param_names}:
+                return False
+            if any(config[p.name] not in p.values for p in own.params):
+                return False
+            return not self.violations(config)
         if set(config) != set(self.param_names):
             return False
         if any(config[p.name] not in p.values for p in self.params):
@@ -305,29 +418,16 @@ class Space:
 
     def valid_configs(self) -> Iterator[Config]:
         """Every configuration that satisfies all constraints, in a fixed order (that of
-        ``itertools.product`` over the parameters). A constraint is checked as soon as every
-        parameter it names has a value, so whole subtrees of the product are skipped at once."""
-        env = self.environment()
-        names = self.param_names
-        position = {name: i for i, name in enumerate(names)}
-        ready: list[list[Any]] = [[] for _ in names]  # checks that can run once parameter i is set
-        for c in self.constraints:
-            used = [position[n] for n in c.expression.names if n in position]
-            ready[max(used) if used else 0].append(c.expression)
-        values = [p.values for p in self.params]
-        scope = dict(env)
-
-        def walk(i: int) -> Iterator[Config]:
-            for value in values[i]:
-                scope[names[i]] = value
-                if all(check(scope) for check in ready[i]):
-                    if i + 1 == len(names):
-                        yield Config({n: scope[n] for n in names})
-                    else:
-                        yield from walk(i + 1)
-
-        if names:
-            yield from walk(0)
+        ``itertools.product`` over the parameters; per path, path after path, on a space written
+        per path). A constraint (or a path's rule) is checked as soon as every parameter it names
+        has a value, so whole subtrees of the product are skipped at once."""
+        if not self.paths:
+            yield from _walk(self.params, [c.expression for c in self.constraints], self.environment(), {})
+            return
+        for own in self.paths:
+            scope = {**own.rules.defaults, "PATH": own.name}
+            checks = [*own.rules.rules, *(c.expression for c in own.constraints)]
+            yield from _walk(own.params, checks, {**self.environment(), **scope}, self.unused(own.name), fixed=("PATH",))
 
     def valid_size(self) -> int:
         return sum(1 for _ in self.valid_configs())
@@ -340,20 +440,76 @@ class Space:
 
     def neighbours(self, config: Config) -> list[Config]:
         """Valid configurations one step away: an ordinal parameter moved to an adjacent
-        value, or a categorical parameter changed to another value."""
+        value, or a categorical parameter changed to another value. On a space written per path,
+        another PATH keeps the parameters both paths use and gives the rest their first value."""
+        own = self.path_space(config.get("PATH"))
         out: list[Config] = []
-        for p in self.params:
+        if own is None:
+            for p in self.params:
+                for value in p.steps(config[p.name]):
+                    candidate = config.replace(**{p.name: value})
+                    if not self.violations(candidate):
+                        out.append(candidate)
+            return out
+        for other in self.paths:
+            if other is not own:
+                moved = {p.name: config[p.name] if config.get(p.name) in p.values else p.values[0] for p in other.params}
+                candidate = self.config({"PATH": other.name, **moved})
+                if not self.violations(candidate):
+                    out.append(candidate)
+        for p in own.params:
             for value in p.steps(config[p.name]):
                 candidate = config.replace(**{p.name: value})
                 if not self.violations(candidate):
                     out.append(candidate)
         return out
 
+    def source_text(self) -> str:
+        """The space file as a run keeps it: its own text, or, where it extends another space,
+        the merged document (a run directory then needs no other file)."""
+        if self.path.is_file() and not self.extends:
+            return self.path.read_text()
+        return f"# {self.name}: {self.path.name} merged with the spaces it extends\n" + yaml.safe_dump(dict(self.raw), sort_keys=False)
+
+
+def _walk(params: Sequence[Param], checks: Sequence[Any], scope: dict[str, Any], unused: Mapping[str, ParamValue],
+          fixed: Sequence[str] = ()) -> Iterator[Config]:
+    """The product of ``params``' values that passes ``checks`` (constraints' expressions or
+    path rules), each check run once every parameter it reads has a value (a check that calls a
+    scope function, at the last); ``fixed`` names entries of ``scope`` a configuration carries."""
+    names = [p.name for p in params]
+    if not names:
+        return
+    position = {name: i for i, name in enumerate(names)}
+    ready: list[list[Any]] = [[] for _ in names]  # checks that can run once parameter i is set
+    for check in checks:
+        reads = getattr(check, "needs", None) or getattr(check, "names", ())
+        used = [position[n] for n in reads if n in position]
+        if getattr(check, "calls", None):
+            used.append(len(names) - 1)
+        ready[max(used) if used else 0].append(check)
+    values = [p.values for p in params]
+    carried = [*fixed, *names]
+
+    def walk(i: int) -> Iterator[Config]:
+        for value in values[i]:
+            scope[names[i]] = value
+            if all(check(scope) for check in ready[i]):
+                if i + 1 == len(names):
+                    yield Config({n: scope[n] for n in carried}, unused=unused)
+                else:
+                    yield from walk(i + 1)
+
+    yield from walk(0)
+
 
 # -- loading -------------------------------------------------------------------
 
-_TOP_KEYS = ("name", "description", "target", "problem", "template", "params", "constraints", "tolerances", "timing", "search")
-_REQUIRED_TOP = ("target", "problem", "template", "params")
+_TOP_KEYS = ("extends", "name", "description", "target", "problem", "template", "params", "paths", "constraints", "tolerances",
+             "timing", "search")
+_PATH_KEYS = ("params", "constraints")
+_MAX_EXTENDS = 8
+_REQUIRED_TOP = ("target", "problem", "template")
 _TARGET_KEYS = ("name", "arch", "sms", "smem_per_block")
 _PROBLEM_KEYS = ("kind", "dtype", "scale", "shapes")
 _SHAPE_KEYS = ("B", "H", "H_KV", "S", "S_KV", "D", "causal")
@@ -388,19 +544,49 @@ def resolve_space_path(spec: str | Path, cwd: Path | None = None) -> Path:
 def load_space(spec: str | Path, cwd: Path | None = None) -> Space:
     path = resolve_space_path(spec, cwd)
     display = _display_path(path, cwd)
+    return parse_space(_read_yaml(path, display), display, path)
+
+
+def _read_yaml(path: Path, display: str) -> Any:
     try:
         text = path.read_text()
     except OSError as exc:
         raise SpaceError(display, "", f"cannot read: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise SpaceError(display, "", f"malformed YAML: {where}{exc.problem}") from None
     except yaml.YAMLError as exc:
         raise SpaceError(display, "", f"malformed YAML: {exc}") from None
-    return parse_space(data, display, path)
+
+
+def _extended(data: Any, display: str, path: Path | None) -> Any:
+    """``data`` merged onto the space its ``extends:`` names (a built-in space's name, or a file
+    relative to this one's), recursively: a mapping merges key by key, anything else (a list,
+    a value) replaces the base's; ``extends`` itself is left out of the result."""
+    chain: list[Path] = [path.resolve()] if path is not None else []
+    while isinstance(data, dict) and "extends" in data:
+        spec = data["extends"]
+        if not isinstance(spec, str) or not spec.strip():
+            raise SpaceError(display, "extends", f"expected a space name or a file, got {_describe(spec)}")
+        base_path = resolve_space_path(spec, path.parent if path is not None else None)
+        if base_path.resolve() in chain or len(chain) > _MAX_EXTENDS:
+            raise SpaceError(display, "extends", f"{spec!r} extends back to a space already in the chain")
+        chain.append(base_path.resolve())
+        base = _read_yaml(base_path, str(base_path))
+        if not isinstance(base, dict):
+            raise SpaceError(display, "extends", f"{spec!r} is not a space (a mapping)")
+        data = _merge(base, {k: v for k, v in data.items() if k != "extends"})
+        path = base_path
+    return data
+
+
+def _merge(base: Any, over: Any) -> Any:
+    if isinstance(base, dict) and isinstance(over, dict):
+        return {**base, **{k: _merge(base[k], v) if k in base else v for k, v in over.items()}}
+    return over
 
 
 def _display_path(path: Path, cwd: Path | None) -> str:
@@ -412,7 +598,11 @@ def _display_path(path: Path, cwd: Path | None) -> str:
 
 def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
     v = _Validator(display)
+    extends = data.get("extends") if isinstance(data, dict) else None
+    data = _extended(data, display, path)
     root = v.mapping(data, "", _TOP_KEYS, required=_REQUIRED_TOP)
+    if "params" not in root and "paths" not in root:
+        v.fail("params", "required key is missing")
 
     name = v.string(root.get("name", Path(display).stem), "name")
     description = v.string(root.get("description", ""), "description", allow_empty=True)
@@ -444,10 +634,15 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
     if template not in template_names():
         v.fail("template", f"no template {template!r}{_hint(template, template_names())}")
 
-    params = _parse_params(v, root["params"])
     space_env_names = {"SMEM_LIMIT", "SMS", "ARCH", "ARCH_NAME", "MAX_HEAD_DIM", "MIN_HEAD_DIM"}
-    known = {p.name for p in params} | space_env_names
-    constraints = _parse_constraints(v, root.get("constraints", []), known)
+    path_spaces: tuple[PathSpace, ...] = ()
+    if "paths" in root:
+        params, path_spaces = _parse_paths(v, root.get("params"), root["paths"], root.get("constraints", []), space_env_names)
+        constraints: tuple[Constraint, ...] = ()
+    else:
+        params = _parse_params(v, root["params"])
+        known = {p.name for p in params} | space_env_names
+        constraints = _parse_constraints(v, root.get("constraints", []), known)
 
     atol, rtol, dtype_tolerances = _parse_tolerances(v, root.get("tolerances", {}))
 
@@ -479,6 +674,8 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
         search=SearchSettings(),
         raw=root,
         dtype_tolerances=dtype_tolerances,
+        paths=path_spaces,
+        extends=extends,
     )
     se = v.mapping(root.get("search", {}), "search", _SEARCH_KEYS)
     strategy = v.string(se.get("strategy", "evo"), "search.strategy")
@@ -566,13 +763,13 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",)) 
     return tuple(dict.fromkeys(cases))
 
 
-def _parse_params(v: "_Validator", raw: Any) -> tuple[Param, ...]:
-    mapping = v.mapping(raw, "params", None)
-    if not mapping:
-        v.fail("params", "expected a mapping of parameter name -> non-empty list of values")
+def _parse_params(v: "_Validator", raw: Any, where: str = "params", allow_empty: bool = False) -> tuple[Param, ...]:
+    mapping = v.mapping(raw, where, None)
+    if not mapping and not allow_empty:
+        v.fail(where, "expected a mapping of parameter name -> non-empty list of values")
     params = []
     for name, values in mapping.items():
-        key = f"params.{name}"
+        key = f"{where}.{name}"
         if not isinstance(name, str) or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name):
             v.fail(key, "parameter names are UPPER_CASE identifiers (they become template variables)")
         if not isinstance(values, list) or not values:
@@ -588,10 +785,49 @@ def _parse_params(v: "_Validator", raw: Any) -> tuple[Param, ...]:
     return tuple(params)
 
 
-def _parse_constraints(v: "_Validator", raw: Any, known: set[str]) -> tuple[Constraint, ...]:
+def _parse_paths(v: "_Validator", shared_raw: Any, raw: Any, constraints_raw: Any,
+                 env_names: set[str]) -> tuple[tuple[Param, ...], tuple[PathSpace, ...]]:
+    """``params`` (every path's), ``paths: {name: {params, constraints}}`` and the top-level
+    ``constraints`` (every path's) of a space written per path: the union of the parameters
+    (PATH first) and each path's space. A parameter a path does not use is an error."""
+    shared = _parse_params(v, shared_raw, allow_empty=True)
+    if "PATH" in {p.name for p in shared}:
+        v.fail("params.PATH", "a space with 'paths' takes its PATH values from the names under 'paths'")
+    entries = v.mapping(raw, "paths", None)
+    if not entries:
+        v.fail("paths", "expected a mapping of path name -> {params, constraints}")
+    out: list[PathSpace] = []
+    union: dict[str, list[ParamValue]] = {}
+    for name, entry in entries.items():
+        key = f"paths.{name}"
+        if name not in kernel_paths.PATHS:
+            v.fail(key, f"no kernel path {name!r}{_hint(str(name), list(kernel_paths.PATHS))} "
+                        f"(known: {', '.join(kernel_paths.PATHS)})")
+        rules = kernel_paths.get(name)
+        spec = v.mapping(entry, key, _PATH_KEYS)
+        own = _parse_params(v, spec.get("params"), f"{key}.params", allow_empty=True)
+        mine = {p.name: p for p in own}
+        params = tuple(mine.pop(p.name, p) for p in shared) + tuple(mine.values())
+        for p in params:
+            if p.name not in rules.params:
+                where = f"{key}.params.{p.name}" if p.name in {q.name for q in own} else f"params.{p.name}"
+                v.fail(where, f"the {name} path does not use {p.name} (it uses {', '.join(rules.params)})")
+            seen = union.setdefault(p.name, [])
+            seen += [x for x in p.values if x not in seen]
+        known = {"PATH", *(p.name for p in params)} | env_names
+        checks = _parse_constraints(v, constraints_raw, known, "constraints", name)
+        checks += _parse_constraints(v, spec.get("constraints", []), known, f"{key}.constraints")
+        out.append(PathSpace(name, params, checks))
+    merged = [Param(n, tuple(sorted(x) if all(isinstance(y, int) and not isinstance(y, bool) for y in x) else x))
+              for n, x in union.items()]
+    return (Param("PATH", tuple(p.name for p in out)), *merged), tuple(out)
+
+
+def _parse_constraints(v: "_Validator", raw: Any, known: set[str], where: str = "constraints",
+                       path: str | None = None) -> tuple[Constraint, ...]:
     out = []
-    for i, item in enumerate(v.sequence(raw, "constraints")):
-        key = f"constraints[{i}]"
+    for i, item in enumerate(v.sequence(raw, where)):
+        key = f"{where}[{i}]"
         why = ""
         if isinstance(item, dict):
             entry = v.mapping(item, key, ("expr", "why"), required=("expr",))
@@ -601,9 +837,10 @@ def _parse_constraints(v: "_Validator", raw: Any, known: set[str]) -> tuple[Cons
         if not isinstance(text, str):
             v.fail(key, f"expected an expression string, got {text!r}")
         try:
-            out.append(Constraint(parse_expression(text, known), why))
+            out.append(Constraint(parse_expression(text, known, kernel_paths.SCOPE_FUNCTIONS), why))
         except ExpressionError as exc:
-            v.fail(key, f"{exc} in {text!r}")
+            on = f" (on the {path} path: a constraint of every path names only their shared parameters)" if path else ""
+            v.fail(key, f"{exc} in {text!r}{on}")
     return tuple(out)
 
 
@@ -615,19 +852,16 @@ def _parse_seed(v: "_Validator", space: Space, raw: Any, key: str) -> Config:
             v.fail(key, str(exc))
     else:
         values = dict(v.mapping(raw, key, None))
-    for name in values:
-        if name not in space.param_names:
-            v.fail(f"{key}.{name}", f"unknown parameter{_hint(name, space.param_names)}")
-    for p in space.params:  # parameters a seed leaves out take their first value
-        values.setdefault(p.name, p.values[0])
-        if values[p.name] not in p.values:
-            v.fail(f"{key}.{p.name}", f"{values[p.name]!r} is not one of {list(p.values)}")
-    broken = space.violations(values)
+    try:
+        config = space.complete(values, key)  # parameters a seed leaves out take their path's first value
+    except SpaceError as exc:
+        v.fail(exc.key, exc.message)
+    broken = space.violations(config)
     dims = sorted({c.head_dim for c in space.cases})
-    if broken and all(space.violations(values, head_dim=d) for d in dims):
+    if broken and all(space.violations(config, head_dim=d) for d in dims):
         where = "" if len(dims) == 1 else " at every head dim"
         v.fail(key, f"seed is outside the space{where}: violates {broken[0]!r}")
-    return Config(values)
+    return config
 
 
 def parse_duration(raw: Any) -> float:

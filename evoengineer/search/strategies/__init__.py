@@ -63,8 +63,9 @@ def make_sampler(name: str, space: Space, *, seed: int | None = None, **options:
 
 
 def suggest_config(trial: optuna.trial.BaseTrial, space: Space) -> Config:
-    """Suggest every parameter of ``space`` on ``trial``; the sampler makes them one valid config."""
-    return Config({p.name: trial.suggest_categorical(p.name, list(p.values)) for p in space.params})
+    """Suggest every parameter of ``space`` on ``trial``; the sampler makes them one valid config
+    (on a space written per path, the parameters of its path)."""
+    return space.config({p.name: trial.suggest_categorical(p.name, list(p.values)) for p in space.params})
 
 
 def _lookup(name: str) -> type[SpaceSampler]:

@@ -46,7 +46,7 @@ class Proposal:
 
     def to_attr(self) -> dict[str, Any]:
         return {
-            "config": self.config.to_dict(),
+            "config": self.config.canonical(),
             "origin": self.origin,
             "parents": [p.key() for p in self.parents],
         }
@@ -67,12 +67,14 @@ class History:
         return self.complete[:n]
 
 
-def trial_config(trial: FrozenTrial, names: Sequence[str]) -> Config | None:
+def trial_config(trial: FrozenTrial, names: Sequence[str], space: Space | None = None) -> Config | None:
     """The configuration a trial holds or is about to evaluate, if it can be told: its
-    parameters, else its enqueued values, else a sampler's claim."""
+    parameters, else its enqueued values, else a sampler's claim. A trial holds every parameter
+    of ``names`` (a path's unused ones at their neutral values); ``space`` keeps its path's."""
     for values in (trial.params, trial.system_attrs.get("fixed_params"), _claimed(trial)):
         if isinstance(values, dict) and all(n in values for n in names):
-            return Config({n: values[n] for n in names})
+            picked = {n: values[n] for n in names}
+            return space.config(picked) if space is not None else Config(picked)
     return None
 
 
@@ -81,17 +83,18 @@ def _claimed(trial: FrozenTrial) -> dict[str, Any] | None:
     return claim.get("config") if isinstance(claim, dict) else None
 
 
-def read_history(study: Study, names: Sequence[str], exclude: int | None = None) -> History:
+def read_history(study: Study, names: Sequence[str], exclude: int | None = None, space: Space | None = None) -> History:
     """Collect the study's trials (all states) except trial number ``exclude``."""
-    return HistoryReader(names).read(study, exclude)
+    return HistoryReader(names, space).read(study, exclude)
 
 
 class HistoryReader:
     """Reads a study's history incrementally: finished trials, which no longer change, are
     folded in once; pending trials (running, waiting) are read again on every call."""
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], space: Space | None = None) -> None:
         self.names = tuple(names)
+        self.space = space
         self._study: tuple[int, int] | None = None
         self._reset()
 
@@ -128,14 +131,14 @@ class HistoryReader:
             known=set(self._known),
         )
         for t in pending:
-            config = trial_config(t, self.names)
+            config = trial_config(t, self.names, self.space)
             if config is not None:
                 history.seen.add(config)
         return history
 
     def _fold(self, t: FrozenTrial, maximize: bool) -> None:
         self._known.add(t._trial_id)
-        config = trial_config(t, self.names)
+        config = trial_config(t, self.names, self.space)
         if config is None:
             return
         self._seen.add(config)
@@ -168,7 +171,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         self._valid: list[Config] | None = None
         self._valid_set: frozenset[Config] | None = None
         self._proposals: dict[int, Proposal] = {}
-        self._reader = HistoryReader(self._names)
+        self._reader = HistoryReader(self._names, space)
         self._fallback = optuna.samplers.RandomSampler(seed=seed)
 
     def __str__(self) -> str:
@@ -250,7 +253,8 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
             proposal = Proposal(proposal.config, "repeat")
         self._claim(study, trial, proposal)
         self._remember(trial, proposal)
-        return {n: proposal.config[n] for n in search_space if n in proposal.config}
+        values = proposal.config.canonical()  # a trial holds every parameter, a path's unused ones neutral
+        return {n: values[n] for n in search_space if n in values}
 
     def proposal_for(self, trial: FrozenTrial | optuna.trial.BaseTrial) -> Proposal | None:
         """What this sampler proposed to ``trial`` (None for an enqueued or retried trial)."""
@@ -260,7 +264,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         self, study: Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
     ) -> Any:
         proposal = self._proposals.get(trial._trial_id)
-        config = proposal.config if proposal is not None else None
+        config = proposal.config.canonical() if proposal is not None else None
         if config is not None and param_name in config:
             value = config[param_name]
             try:
@@ -289,7 +293,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         return any(
             t._trial_id not in history.known
             and t.number != trial.number
-            and trial_config(t, self._names) == config
+            and trial_config(t, self._names, self.space) == config
             for t in trials
         )
 

@@ -227,18 +227,20 @@ class EvoSampler(SpaceSampler):
 
     def _crossover(self, a: Config, b: Config) -> Config:
         """Uniform crossover: each parameter from either parent with probability 1/2."""
-        return Config({n: (a[n] if self._rng.random() < 0.5 else b[n]) for n in self._names})
+        first, second = a.canonical(), b.canonical()  # every parameter, a path's unused ones neutral
+        return self.space.config({n: (first[n] if self._rng.random() < 0.5 else second[n]) for n in self._names})
 
     def _mutate(self, config: Config, force: bool = True) -> Config:
         """Each parameter changes with ``mutation_rate``; with ``force``, at least one does."""
         if not self._mutable:
             return config
         rng = self._rng
-        changes = {p.name: self._step(p, config[p.name]) for p in self._mutable if rng.random() < self.mutation_rate}
+        values = config.canonical()
+        changes = {p.name: self._step(p, values[p.name]) for p in self._mutable if rng.random() < self.mutation_rate}
         if not changes and force:
             p = rng.choice(self._mutable)
-            changes[p.name] = self._step(p, config[p.name])
-        return config.replace(**changes)
+            changes[p.name] = self._step(p, values[p.name])
+        return self.space.config({**values, **changes})
 
     def _step(self, param: Param, value: object) -> object:
         """An ordinal parameter moves to an adjacent value; a categorical one to another value."""
@@ -252,7 +254,8 @@ class _Tables:
         params = [p for p in space.params if len(p.values) > 1]
         self.index = {c: i for i, c in enumerate(valid)}
         self.x = encoder(valid)
-        self.codes = np.array([[p.values.index(c[p.name]) for p in params] for c in valid], dtype=int).reshape(len(valid), len(params))
+        rows = [c.canonical() for c in valid]
+        self.codes = np.array([[p.values.index(c[p.name]) for p in params] for c in rows], dtype=int).reshape(len(valid), len(params))
         self.ordinal = np.array([p.ordinal for p in params], dtype=bool)
 
     def unseen(self, history: History) -> np.ndarray:

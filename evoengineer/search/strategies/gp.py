@@ -52,7 +52,8 @@ class Encoder:
     def __call__(self, configs: Sequence[Config]) -> np.ndarray:
         if not self.columns or not len(configs):
             return np.zeros((len(configs), self.width))
-        return np.array([np.concatenate([index[c[name]] for name, index in self.columns]) for c in configs])
+        rows = [c.canonical() for c in configs]  # a path's unused parameters at their neutral values
+        return np.array([np.concatenate([index[c[name]] for name, index in self.columns]) for c in rows])
 
 
 def matern52(d: np.ndarray) -> np.ndarray:

@@ -35,8 +35,9 @@ class KernelRegression:
 
     def encode(self, configs: Sequence[Config]) -> tuple[np.ndarray, np.ndarray]:
         """Ordinal positions in [0, 1] and categorical indices, one row per configuration."""
-        ordinal = np.array([[index[c[name]] for name, index in self._ordinal] for c in configs], dtype=float)
-        categorical = np.array([[index[c[name]] for name, index in self._categorical] for c in configs], dtype=int)
+        rows = [c.canonical() for c in configs]  # a path's unused parameters at their neutral values
+        ordinal = np.array([[index[c[name]] for name, index in self._ordinal] for c in rows], dtype=float)
+        categorical = np.array([[index[c[name]] for name, index in self._categorical] for c in rows], dtype=int)
         return ordinal.reshape(len(configs), len(self._ordinal)), categorical.reshape(len(configs), len(self._categorical))
 
     def fit(self, complete: Sequence[tuple[Config, float]], failed: Sequence[Config] = ()) -> "KernelRegression":

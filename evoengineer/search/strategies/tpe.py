@@ -7,7 +7,7 @@ from optuna.samplers import TPESampler
 from optuna.study import Study
 from optuna.trial import FrozenTrial
 
-from ...space import Config, Space
+from ...space import Space
 from .base import History, Proposal, SpaceSampler
 
 
@@ -49,8 +49,7 @@ class TPESearchSampler(SpaceSampler):
                 params = self._tpe.sample_relative(study, trial, dict(self._distributions))
                 if not params:
                     break
-                config = Config({n: params[n] for n in self._names if n in params})
-                if len(config) == len(self._names) and self.is_new(config, history):
+                if all(n in params for n in self._names) and self.is_new(config := self.space.config(params), history):
                     return Proposal(config, "tpe")
         return Proposal(self.random_unseen(history), "random")
 

@@ -1,0 +1,45 @@
+"""The mma path: mma.sync m16n8k16 with ldmatrix, cp.async K/V stages, optional K/V splits
+over CTAs (SPLITS, then a combine launch) and over the warps of a CTA (KV_GROUPS)."""
+from __future__ import annotations
+
+from .base import KernelPath, Scope, rule
+
+NAME = "mma"
+PARAMS = ("BLOCK_M", "BLOCK_N", "WARPS", "VEC", "STAGES", "SMEM_LAYOUT", "Q_IN_REGS", "P_IN_REGS", "SPLITS",
+          "KV_GROUPS", "PACK_GQA")
+DEFAULTS = {"STAGES": 2, "SMEM_LAYOUT": "swizzle", "Q_IN_REGS": 1, "P_IN_REGS": 1, "SPLITS": 1, "KV_GROUPS": 1,
+            "PACK_GQA": 0}
+"""What the template takes for a parameter a configuration leaves out."""
+
+
+def smem_bytes(c: Scope, head_dim: int) -> int:
+    """The Q tile, STAGES K and V tiles per K/V group (or, if larger, the groups' fp32 merge area)
+    and, unless P stays in registers, each group's P tile."""
+    bm, bn = c["BLOCK_M"], c["BLOCK_N"]
+    groups, stages = c["KV_GROUPS"], c["STAGES"]
+    row = head_dim + (8 if c["SMEM_LAYOUT"] == "pad" else 0)
+    kv = 4 * row * groups * stages * bn
+    merge = 8 * (groups - 1) * bm * (head_dim // 2 + 4)
+    p_tiles = 0 if c["P_IN_REGS"] else 2 * groups * bm * (bn + 8)
+    return 2 * row * bm + max(kv, merge) + p_tiles
+
+
+RULES = (
+    rule(NAME, "warps", "no more warps than the tile has 16-row groups, times the K/V groups", "BLOCK_M WARPS KV_GROUPS",
+         lambda c: c["WARPS"] <= c["KV_GROUPS"] * (c["BLOCK_M"] // 16)),
+    rule(NAME, "rows", "each K/V group's warps cover the tile's rows, one or two 16-row strips per warp; "
+         "two strips with Q in registers spill", "BLOCK_M WARPS KV_GROUPS Q_IN_REGS",
+         lambda c: c["BLOCK_M"] * c["KV_GROUPS"] == 16 * c["WARPS"]
+         or (c["BLOCK_M"] * c["KV_GROUPS"] == 32 * c["WARPS"] and c["WARPS"] >= 2 * c["KV_GROUPS"] and not c["Q_IN_REGS"])),
+    rule(NAME, "loads", "the mma path loads with 16-byte cp.async and steps K in 16-key slices", "BLOCK_N VEC",
+         lambda c: c["VEC"] == 8 and c["BLOCK_N"] % 16 == 0),
+    rule(NAME, "vec", "the vector width divides the head dimension", "VEC",
+         lambda c: c["MIN_HEAD_DIM"] % c["VEC"] == 0),
+    rule(NAME, "smem", "the Q tile, STAGES K and V tiles per K/V group (or, if larger, the groups' fp32 merge area) "
+         "and, unless P stays in registers, each group's P tile fit the shared memory per block",
+         "BLOCK_M BLOCK_N STAGES SMEM_LAYOUT P_IN_REGS KV_GROUPS",
+         lambda c: smem_bytes(c, c["MAX_HEAD_DIM"]) <= c["SMEM_LIMIT"]),
+)
+
+PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=lambda c: 32 * c["WARPS"], rows_per_cta=lambda c: c["BLOCK_M"],
+                  defaults=DEFAULTS)
