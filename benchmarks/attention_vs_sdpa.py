@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if not configs:
         paths = space.param("PATH").values
         configs = [c for c in map(Config.parse, HAND_PICKED) if c["PATH"] in paths]
-    configs = [Config({p.name: c.get(p.name, p.values[0]) for p in space.params}) for c in configs]
+    configs = [space.complete(c, key='--config') for c in configs]
 
     console = Console(highlight=False, width=200)
     # A configuration valid only for one head dim (e.g. from a search restricted with --shape) is
