@@ -30,10 +30,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def space_file(tmp_path: Path):
-    """Write a variant of the built-in l4 space with edits applied; returns its path."""
+    """Write a variant of the l4 space, written flat (tests/data/l4_flat.yaml), with edits applied; returns its path."""
     import yaml
 
-    base = yaml.safe_load((REPO / "search_spaces" / "l4.yaml").read_text())
+    base = yaml.safe_load((REPO / "tests" / "data" / "l4_flat.yaml").read_text())
 
     def make(edit=None, text: str | None = None, name: str = "space.yaml") -> Path:
         path = tmp_path / name

@@ -85,6 +85,20 @@ def test_seeds_keep_their_keys_without_the_unused_parameters(name: str) -> None:
     assert "PATH != 'wgmma' or" not in text and "WARPS: 1, VEC: 1" not in text
 
 
+@pytest.mark.parametrize("name", ["l4", "h100-decode"])
+def test_spaces_written_per_path_keep_every_key_and_seed(name: str) -> None:
+    """l4 and h100-decode, once flat, enumerate the same configurations (by key) and seeds."""
+    old = parse_space(_old_doc(name), f"{BEFORE}:{name}.yaml")
+    new = load_space(name)
+    assert new.paths and "PATH" not in _doc(name).get("params", {})
+    assert sorted(c.key() for c in new.valid_configs()) == sorted(c.key() for c in old.valid_configs())
+    assert [s.key() for s in new.search.listed_seeds] == [s.key() for s in old.search.listed_seeds]
+
+
+def _doc(name: str) -> dict:
+    return yaml.safe_load((REPO / "search_spaces" / f"{name}.yaml").read_text())
+
+
 # -- the space file's shape --------------------------------------------------------------------
 
 

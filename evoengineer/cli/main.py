@@ -18,7 +18,7 @@ typical session:
   evoengineer baseline --space h100           # time SDPA's backends on this GPU
   evoengineer bench --space h100 \\
       --config PATH=wmma,BLOCK_M=64,BLOCK_N=64,WARPS=4,VEC=8   # one config
-  evoengineer ab --space h100 --config ... --param BLOCK_N   # A/B, one parameter
+  evoengineer ab --space h100 --config ... --param BLOCK_N  # one parameter A/B
   evoengineer search --space h100 --time 10m  # the search (GPU)
   evoengineer leaderboard runs/<run>          # the ranked finalists
   evoengineer leaderboard runs/<run> --per-shape   # the fastest config per case
