@@ -274,13 +274,15 @@ def test_bad_input_is_a_clear_error(exported, case: str) -> None:
         module.attention(*args, **kwargs)
 
 
-def test_inputs_that_require_grad_are_refused_while_grad_mode_is_on(exported) -> None:
+def test_inputs_that_require_grad_take_the_training_path_and_its_checks(exported) -> None:
     _, module = exported
     q = _cpu(1, 2, 8, 64)
     k = _cpu(1, 2, 8, 64).requires_grad_()
-    with pytest.raises(RuntimeError, match="^attention: k requires grad and these kernels have no backward"):
+    with pytest.raises(ValueError, match="^attention: q, k and v must be CUDA tensors"):   # the LSE forward's checks
         module.attention(q, k, k)
-    with torch.no_grad(), pytest.raises(ValueError, match="CUDA tensors"):  # no grad needed: on to the next check
+    with pytest.raises(ValueError, match="^attention: no exported kernel for fp16 head_dim 96"):   # forward first
+        module.attention(*(torch.zeros(1, 2, 8, 96, dtype=torch.float16, device="meta", requires_grad=True),) * 3)
+    with torch.no_grad(), pytest.raises(ValueError, match="CUDA tensors"):  # no grad needed: the inference checks
         module.attention(q, k, k)
 
 

@@ -52,9 +52,13 @@ def _per_shape(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from ..results import ExportError, export_entry, export_runs, load_leaderboard
+    from ..results.export_backward import backward_choice
 
     runs = [run_path(r) for r in args.run]
     try:
+        if args.no_backward and args.backward:
+            raise UsageError("--backward and --no-backward: give one of them")
+        backward = backward_choice(args.backward or [], enabled=not args.no_backward)
         if args.rank is not None:
             if len(runs) > 1:
                 raise UsageError("--rank N exports one configuration of one run; give one run, or drop --rank")
@@ -62,9 +66,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             entry = next((e for e in board["entries"] if e["rank"] == args.rank), None)
             if entry is None:
                 raise UsageError(f"--rank {args.rank}: {runs[0]} has {len(board['entries'])} ranked entries")
-            written = export_entry(runs[0], entry, board, Path(args.out), module_name=args.module)
+            written = export_entry(runs[0], entry, board, Path(args.out), module_name=args.module, backward=backward)
         else:
-            written = export_runs(runs, Path(args.out), module_name=args.module)
+            written = export_runs(runs, Path(args.out), module_name=args.module, backward=backward)
     except ExportError as exc:
         raise UsageError(str(exc)) from None
     console = Console(highlight=False)
@@ -132,4 +136,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--module", default="evo_attention",
                    help="name of the exported package (a Python identifier; default evo_attention)")
+    p.add_argument("--backward", action="append", metavar="[D<head_dim>:]CONFIG",
+                   help="the backward configuration to export for training (repeatable): a name of "
+                        "backward_rules.BACKWARD_CONFIGS (m64n128) or parameters (BLOCK_M=32,BLOCK_N=64,DQ_MODE=separate), "
+                        "for one head dim with a D<head_dim>: prefix; default: each head dim's default configuration")
+    p.add_argument("--no-backward", action="store_true", help="export the inference kernels only (no training)")
     p.set_defaults(func=cmd_export)

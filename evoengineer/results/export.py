@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from .. import runtime
 from ..space import Config, Variant
+from .export_backward import BackwardChoice, backward_kernel_entry, deterministic_twin, short_backward
 from .per_shape import (
     DISPATCH_RULE,
     ExportError,
@@ -145,9 +146,11 @@ def _variant_like(template: Variant, dtype: str, head_dim: int, causal: bool) ->
 # -- exports ----------------------------------------------------------------------------------
 
 
-def export_runs(runs: Sequence[Path], out: Path, module_name: str = MODULE_NAME) -> list[Path]:
+def export_runs(runs: Sequence[Path], out: Path, module_name: str = MODULE_NAME,
+                backward: BackwardChoice | None = None) -> list[Path]:
     """One module holding the per-case winners of ``runs`` (and their fallback), choosing a
-    configuration per call by the nearest measured case."""
+    configuration per call by the nearest measured case; with backward kernels for training
+    (``backward``: which; default: each head dim's default configuration)."""
     from ..kernels import RenderError
 
     check_module_name(module_name)
@@ -176,10 +179,11 @@ def export_runs(runs: Sequence[Path], out: Path, module_name: str = MODULE_NAME)
                                               for w in per.winners):
                     raise ExportError(f"{cid}: {exc}") from None
                 notes.append(f"fallback {cid} does not render for {dtype} D{head_dim}{' causal' if causal else ''}: {exc}")
-    return _write(out, module_name, per, specs, mode="per-shape", notes=notes, measured=None)
+    return _write(out, module_name, per, specs, mode="per-shape", notes=notes, measured=None, backward=backward)
 
 
-def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_name: str = MODULE_NAME) -> list[Path]:
+def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_name: str = MODULE_NAME,
+                 backward: BackwardChoice | None = None) -> list[Path]:
     """One configuration (a leaderboard entry) for every variant of the run's space."""
     check_module_name(module_name)
     run = RunInfo.load(Path(run_path))
@@ -195,7 +199,7 @@ def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_nam
     specs = [_spec(run, config, variant) for variant in run.variants()]
     measured = {"rank": entry["rank"], "cases": entry["cases"], "geomean_us": entry["geomean_us"],
                 "speedup_vs_sdpa": entry["speedup"], "retimed": board.get("retimed"), "resources": entry.get("resources", {})}
-    return _write(out, module_name, per, specs, mode="rank", notes=[], measured=measured)
+    return _write(out, module_name, per, specs, mode="rank", notes=[], measured=measured, backward=backward)
 
 
 def check_module_name(name: str) -> None:
@@ -229,7 +233,7 @@ def _copy_runtime(package: Path) -> None:
 
 
 def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], *, mode: str, notes: list[str],
-           measured: dict | None) -> list[Path]:
+           measured: dict | None, backward: BackwardChoice | None = None) -> list[Path]:
     check_module_name(module_name)
     out.mkdir(parents=True, exist_ok=True)
     _clear_earlier_export(out, module_name)
@@ -238,6 +242,8 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
         path = out / f"{module_name}_{spec.filename_stem}.cu"
         path.write_text(spec.rendered.source)
         written.append(path)
+    backward_info, backward_files = _backward(out, module_name, specs, backward or BackwardChoice())
+    written += backward_files
     have = {(s.dtype, s.variant.head_dim, s.variant.causal): set() for s in specs}
     for s in specs:
         have[(s.dtype, s.variant.head_dim, s.variant.causal)].add(s.config_id)
@@ -250,7 +256,7 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
     fingerprint = json.dumps([sorted((s.key, s.rendered.source_hash) for s in specs),
                               sorted((k, v[0], [(w.shape.batch * w.shape.heads, w.shape.seq_q, w.shape.seq_k,
                                                  max(1, w.shape.heads // w.shape.heads_kv), w.config) for w in v[1]])
-                                     for k, v in dispatch.items())], default=str)
+                                     for k, v in dispatch.items()), backward_info], default=str, sort_keys=True)
     namespace = "evoengineer_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:8]
     gpu, arch = per.runs[0].gpu, per.runs[0].arch
     table = [(w.shape, w.config) for w in per.winners]
@@ -283,7 +289,8 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
         },
         "decode": _decode_note(per, dispatch, table),
         "kernels": [_kernel_info(s, module_name) for s in specs],
-        "notes": notes,
+        "notes": notes + (backward_info.pop("notes") if backward_info else []),
+        **({"backward": backward_info} if backward_info else {}),
     }
     if measured is not None:
         info.update(rank=measured["rank"], measured=measured, resources=measured.get("resources", {}))
@@ -296,6 +303,62 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
     except runtime.KernelFileError as exc:
         raise ExportError(f"the export does not read back: {exc}") from None
     return [package, *written, info_path]
+
+
+def _backward(out: Path, module_name: str, specs: list[KernelSpec], choice: BackwardChoice) -> tuple[dict | None, list[Path]]:
+    """kernel.json's ``backward`` section (with its ``notes``) and the sources it names, written
+    into ``out``; (None, []) where the choice is no backward or no variant has one."""
+    from ..kernels import RenderError, render
+    from ..kernels.backward_rules import BACKWARD_TEMPLATE, FORWARD_TEMPLATE, HEAD_DIMS, forward_lse_config
+
+    if not choice.enabled:
+        return None, []
+    variants: dict[tuple[str, int, bool], Variant] = {}
+    for spec in specs:
+        variants.setdefault((spec.dtype, spec.variant.head_dim, spec.variant.causal), spec.variant)
+    configs: dict[str, dict] = {}
+    forward_kernels, kernels, entries, notes, written = [], [], [], [], []
+    for (dtype, head_dim, causal), variant in sorted(variants.items()):
+        label = f"{dtype} D{head_dim}{' causal' if causal else ''}"
+        if head_dim not in HEAD_DIMS:
+            notes.append(f"no backward for {label}: the backward supports head dims {', '.join(map(str, HEAD_DIMS))}")
+            continue
+        lse_config = forward_lse_config(head_dim)
+        try:
+            lse = KernelSpec(lse_config.key(), dtype, variant, render(FORWARD_TEMPLATE, lse_config, variant), [])
+        except RenderError as exc:
+            raise ExportError(f"LSE forward for {label}: {exc}") from None
+        lse.args = kernel_args(lse.rendered.source, lse.rendered.launches[0].kernel)
+        configs[lse_config.key()] = {"label": lse_config.label(), "short": short_config(dict(lse_config)),
+                                     "config": lse_config.to_dict(), "role": "lse_forward"}
+        lse_file = f"{module_name}_lse_{lse.filename_stem}.cu"
+        (out / lse_file).write_text(lse.rendered.source)
+        written.append(out / lse_file)
+        forward_kernels.append({**_kernel_info(lse, module_name), "source": lse_file})
+        fallback = choice.fallback(dtype, head_dim, causal)
+        exact = deterministic_twin(fallback, head_dim)
+        cases = [m for m in choice.measured if m.shape.variant_key == (dtype, head_dim, causal)]
+        for config in dict.fromkeys([fallback, exact, *(m.config for m in cases)]):
+            cid = config.key()
+            configs[cid] = {"label": config.label(), "short": short_backward(config), "config": config.to_dict(),
+                            "role": "backward"}
+            try:
+                rendered = render(BACKWARD_TEMPLATE, config, variant)
+            except RenderError as exc:
+                raise ExportError(f"backward {short_backward(config)} for {label}: {exc}") from None
+            source = f"{module_name}_bwd_{cid}-{dtype}-{variant.label()}.cu"
+            (out / source).write_text(rendered.source)
+            written.append(out / source)
+            kernels.append(backward_kernel_entry(rendered, cid, config, dtype, head_dim, causal, source))
+        entries.append({"dtype": dtype, "head_dim": head_dim, "causal": causal, "forward": lse_config.key(),
+                        "fallback": fallback.key(), "deterministic": exact.key(), "measured_cases": len(cases),
+                        "cases": [{"batch": m.shape.batch, "heads": m.shape.heads, "heads_kv": m.shape.heads_kv,
+                                   "seq_q": m.shape.seq_q, "seq_k": m.shape.seq_k, "config": m.config.key(),
+                                   "median_us": m.median_us} for m in cases]})
+    if not entries:
+        return None, written
+    return {"rule": DISPATCH_RULE, "configs": configs, "forward_kernels": forward_kernels, "kernels": kernels,
+            "variants": entries, "notes": notes}, written
 
 
 def _kernel_info(spec: KernelSpec, module_name: str) -> dict:

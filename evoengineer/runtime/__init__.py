@@ -15,7 +15,16 @@ attention(q, k, v, is_causal=False, scale=None, enable_gqa=False) follows
 torch.nn.functional.scaled_dot_product_attention: is_causal masks top-left aligned (query i
 sees keys 0..i, also when seq_q != seq_k), scale defaults to 1/sqrt(head_dim) and must be
 positive, enable_gqa lets k and v have fewer heads than q (kernels that take a K/V head count
-only, see GQA). No attn_mask, no dropout, no backward.
+only, see GQA). No attn_mask, no dropout.
+
+Training: where q, k or v requires grad (and grad mode is on), the call runs the export's LSE
+forward (the output and each row's log-sum-exp) and ``loss.backward()`` runs its backward kernels
+(a preprocess, dK/dV over key tiles, dQ by atomics or by a separate pass), chosen per shape by the
+same rule (BACKWARD: per (dtype, head_dim, causal)). Calls that need no gradient write no LSE.
+attention(..., deterministic=True), or set_deterministic(True) for the module, or
+torch.use_deterministic_algorithms(True), runs a backward whose gradients are bit-identical run
+to run. A double backward, and a gradient of a variant no exported backward covers, are refused
+in one line.
 
 Each kernel is compiled at first use by NVRTC (cupy.RawModule) for the GPU present and launched
 with cupy.cuda.driver.launchKernel on torch's current stream, reading and writing the tensors in
@@ -24,9 +33,11 @@ through ctypes). Each call runs one configuration, chosen by the nearest measure
 (DISPATCH_RULE). Per shape, strides, dtype and device the plan is prepared once (per thread);
 a repeated call only reads the pointers, allocates the output and launches.
 
-It is also the torch custom op torch.ops.<OP_NAMESPACE>.attention with a fake implementation, so
-torch.compile(fullgraph=True) traces it and CUDA graphs capture it (warm up each shape, or call
-compile_all(), before capturing). dispatch(...) answers which configuration serves a shape,
+It is also the torch custom op torch.ops.<OP_NAMESPACE>.attention (with attention_lse and
+attention_backward for training, the autograd formula registered with
+torch.library.register_autograd) with fake implementations, so torch.compile(fullgraph=True)
+traces forward and backward and CUDA graphs capture a whole training step (warm up each shape,
+or call compile_all(), before capturing). dispatch(...) answers which configuration serves a shape,
 explain(q, k, v, ...) what a call runs; hf_attention / register_hf plug it into transformers.
 
 As ``evoengineer.runtime`` (the library), it is the search's tensor-map encoder and dispatch rule,
@@ -60,6 +71,13 @@ else:  # a copy in an export directory: serve the kernel.json beside this packag
     dispatch = _export.dispatch
     explain = _export.explain
     compile_all = _export.compile_all
+    dispatch_backward = _export.dispatch_backward
+    explain_backward = _export.explain_backward
+    set_deterministic = _export.set_deterministic
+    attention_lse_op = _export.ops.attention_lse
+    attention_backward_op = _export.ops.attention_backward
+    BACKWARD = _export.backward_table()
+    BACKWARD_CONFIGS = _export.backward_configs()
     hf_attention = _export.hf_attention
     register_hf = _export.register_hf
     OP_NAMESPACE = _export.data.op_namespace
@@ -73,5 +91,7 @@ else:  # a copy in an export directory: serve the kernel.json beside this packag
     HEAD_DIMS = _export.data.head_dims
     GQA = _export.gqa
     """Whether every kernel takes a K/V head count (grouped-query attention without copies)."""
-    __all__ = ["attention", "attention_op", "dispatch", "explain", "compile_all", "hf_attention", "register_hf",
-               "CONFIGS", "DISPATCH", "DISPATCH_RULE", "GQA", "KERNELS", "OP_NAMESPACE", "LOG2E"]
+    __all__ = ["attention", "attention_op", "attention_lse_op", "attention_backward_op", "dispatch", "dispatch_backward",
+               "explain", "explain_backward", "compile_all", "hf_attention", "register_hf", "set_deterministic",
+               "BACKWARD", "BACKWARD_CONFIGS", "CONFIGS", "DISPATCH", "DISPATCH_RULE", "GQA", "KERNELS", "OP_NAMESPACE",
+               "LOG2E"]

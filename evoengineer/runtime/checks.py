@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from .backward_file import BackwardData
 from .dispatch import Variant
 
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -66,12 +67,20 @@ def check_inputs(coverage: Coverage, q: Any, k: Any, v: Any, is_causal: bool, sc
         raise ValueError(f"attention: scale must be positive, got {scale}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"attention: q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.device.type != "cuda":
-        raise ValueError(f"attention: q, k and v must be CUDA tensors, got device {q.device}")
+    if q.device.type not in ("cuda", "meta"):
+        raise ValueError(f"attention: q, k and v must be CUDA tensors, got device {q.device} (meta tensors give the "
+                         "outputs' shapes only)")
 
 
-def refuse_grad(q: Any, k: Any, v: Any) -> None:
-    """RuntimeError naming the first input that requires grad (these kernels have no backward)."""
-    name = next(n for n, t in (("q", q), ("k", k), ("v", v)) if t.requires_grad)
-    raise RuntimeError(f"attention: {name} requires grad and these kernels have no backward; call under "
-                       "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+def check_grad(backward: BackwardData | None, dtype: str, head_dim: int, causal: bool, who: str = "attention") -> None:
+    """NotImplementedError (one line) unless the export has a backward for (dtype, head_dim, causal)."""
+    label = f"{dtype} head_dim {head_dim}{' causal' if causal else ''}"
+    if backward is None:
+        raise NotImplementedError(
+            f"{who}: a gradient is needed (q, k or v requires grad) but this export has no backward kernels; "
+            "re-export with a current `evoengineer export` (it adds them), or call under torch.no_grad() or "
+            "torch.inference_mode()")
+    if (dtype, int(head_dim), bool(causal)) not in backward.variants:
+        raise NotImplementedError(
+            f"{who}: a gradient is needed (q, k or v requires grad) but this export has no backward for {label}; "
+            f"its backward covers {backward.covered()}; call under torch.no_grad() for inference")

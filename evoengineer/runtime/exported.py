@@ -1,5 +1,5 @@
-"""One export's runtime: its kernel.json read, the dispatch table, the kernels, the launcher,
-the custom op and the functions a user calls, tied together."""
+"""One export's runtime: its kernel.json read, the dispatch table, the kernels, the launchers
+(inference, LSE forward and backward), the custom ops and the functions a user calls, tied together."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,9 +11,10 @@ from .checks import DTYPE_NAMES, Coverage
 from .dispatch import DispatchTable
 from .hf import make_hf_attention, register_hf
 from .kernel_file import ExportData, read_kernel_file
+from .backward_launch import BackwardLauncher
 from .launch import Launcher
 from .loading import KernelCache
-from .op import make_attention, register_op
+from .op import Settings, grad_checker, make_attention, register_ops
 
 KERNEL_FILE = "kernel.json"
 
@@ -29,10 +30,15 @@ class ExportedAttention:
         self.gqa = all(variant_gqa.values())
         self.kernels = KernelCache(data)
         self.launcher = Launcher(data, self.table, self.coverage, self.kernels)
-        self.op = register_op(data.op_namespace, self.launcher.forward, self.coverage)
-        self.attention = make_attention(self.launcher.forward, self.op)
+        self.backward = BackwardLauncher(data, self.launcher, self.coverage, self.kernels)
+        self.ops = register_ops(data.op_namespace, self.launcher.forward, self.backward.forward_lse,
+                                self.backward.run_backward, self.coverage, grad_checker(data.backward))
+        self.op = self.ops.attention
+        self.settings = Settings()
+        self.attention = make_attention(self.launcher.forward, self.ops, self.settings)
         self.hf_attention = make_hf_attention(self.attention, self.gqa)
         self.explain = self.launcher.explain
+        self.explain_backward = self.backward.explain
 
     @classmethod
     def load(cls, path: Path) -> "ExportedAttention":
@@ -45,6 +51,18 @@ class ExportedAttention:
         ``dtype``: 'fp16', 'bf16' or a torch dtype."""
         name = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype, str(dtype))
         return self.table.choose(name, head_dim, causal, batch, heads, seq_q, seq_k, heads_kv)
+
+    def dispatch_backward(self, dtype: Any, head_dim: int, causal: bool, batch: int, heads: int, seq_q: int,
+                          seq_k: int, heads_kv: int | None = None, deterministic: bool = False) -> str:
+        """The backward configuration id (a key of ``backward_configs``) that serves such a call;
+        NotImplementedError where the export has no backward for it."""
+        name = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype, str(dtype))
+        return self.backward.choose(name, head_dim, causal, batch, heads, seq_q, seq_k, heads_kv, deterministic)
+
+    def set_deterministic(self, flag: bool = True) -> None:
+        """Make every backward of this module deterministic (dQ without atomics: bit-identical
+        gradients run to run), unless a call passes ``deterministic=``."""
+        self.settings.deterministic = bool(flag)
 
     def compile_all(self, device: Any = None) -> int:
         """Compile and load every kernel on ``device`` (default: the current one), e.g. before
@@ -64,6 +82,20 @@ class ExportedAttention:
     def configs(self) -> dict[str, dict[str, Any]]:
         """config id -> label, short form, parameters."""
         return {cid: info.as_dict() for cid, info in self.data.configs.items()}
+
+    def backward_configs(self) -> dict[str, dict[str, Any]]:
+        """Backward and LSE-forward config id -> label, short form, parameters (empty: no backward)."""
+        return {cid: info.as_dict() for cid, info in self.data.backward.configs.items()} if self.data.backward else {}
+
+    def backward_table(self) -> dict[tuple[str, int, bool], dict[str, Any]]:
+        """(dtype, head_dim, causal) -> the LSE forward, the backward fallback and measured cases,
+        the deterministic backward."""
+        if self.data.backward is None:
+            return {}
+        return {variant: {"forward": b.forward, "fallback": b.table.fallback, "deterministic": b.deterministic,
+                          "cases": tuple((c.batch * c.heads, c.seq_q, c.seq_k, max(1, c.heads // c.heads_kv), c.config)
+                                         for c in b.table.cases)}
+                for variant, b in self.data.backward.variants.items()}
 
     def kernel_table(self) -> dict[tuple[str, int, bool, str], dict[str, Any]]:
         """(dtype, head_dim, causal, config id) -> launches, workspace, arguments, features, tensor maps, source."""

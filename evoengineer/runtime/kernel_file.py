@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .backward_file import BackwardData, parse_backward
 from .dispatch import MeasuredCase, Variant, VariantTable
 
 SCHEMA = "evoengineer-attention-export/2"
@@ -140,6 +141,8 @@ class ExportData:
     configs: dict[str, ConfigInfo]
     kernels: dict[tuple[str, int, bool, str], KernelSpec]
     dispatch: dict[Variant, VariantTable]
+    backward: BackwardData | None = None
+    """The kernels a gradient needs (``backward_file``); None: an inference-only export."""
 
     @property
     def dtypes(self) -> list[str]:
@@ -207,6 +210,21 @@ class _Fields:
     def obj(self, name: str) -> "_Fields":
         return _Fields(self.get(name), self.key(name), self.file)
 
+    def at(self, doc: Any, where: str) -> "_Fields":
+        """Another object of the same file, named ``where`` in errors."""
+        return _Fields(doc, where, self.file)
+
+    def source(self, name: str, directory: Path) -> tuple[str, str]:
+        """(file name, text) of the CUDA source this entry names: a ``.cu`` file beside kernel.json."""
+        source_file = self.text(name)
+        if Path(source_file).name != source_file or source_file.startswith(".") or not source_file.endswith(".cu"):
+            self.fail(self.key(name), f"{_show(source_file)} is not a .cu file name beside kernel.json")
+        try:
+            return source_file, (directory / source_file).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KernelFileError(f"{directory / source_file}: cannot read the kernel source ({exc}); "
+                                  "re-export with `evoengineer export`") from None
+
     def ints(self, name: str, count: int, minimum: int = 1) -> tuple[int, ...]:
         value = self.get(name)
         if not isinstance(value, list) or len(value) != count or not all(_is_int(x) and x >= minimum for x in value):
@@ -254,9 +272,7 @@ def parse_kernel_file(doc: Any, path: Path) -> ExportData:
     configs: dict[str, ConfigInfo] = {}
     config_docs = top.obj("configs")
     for cid in config_docs.doc:
-        entry = config_docs.obj(cid)
-        params = entry.obj("config").doc
-        configs[cid] = ConfigInfo(entry.text("label"), entry.text("short"), dict(params))
+        configs[cid] = _config_info(config_docs.obj(cid))
     kernels: dict[tuple[str, int, bool, str], KernelSpec] = {}
     for i, item in enumerate(top.items("kernels")):
         spec = _kernel(_Fields(item, f"kernels[{i}]", path), path.parent)
@@ -288,8 +304,13 @@ def parse_kernel_file(doc: Any, path: Path) -> ExportData:
         tables[variant] = table
     if not tables:
         dispatch_doc.fail("dispatch.variants", "empty: the export serves nothing")
+    backward = parse_backward(top, path, lambda entry: _kernel(entry, path.parent), _config_info, DTYPES)
     return ExportData(path, module, namespace, top.text("arch"), top.text("gpu"), dispatch_doc.text("rule"), fallback,
-                      configs, kernels, tables)
+                      configs, kernels, tables, backward)
+
+
+def _config_info(entry: _Fields) -> ConfigInfo:
+    return ConfigInfo(entry.text("label"), entry.text("short"), dict(entry.obj("config").doc))
 
 
 def _kernel(entry: _Fields, directory: Path) -> KernelSpec:
@@ -337,14 +358,7 @@ def _kernel(entry: _Fields, directory: Path) -> KernelSpec:
     features = entry.items("features")
     if not all(isinstance(f, str) for f in features):
         entry.fail(entry.key("features"), "expected a list of strings")
-    source_file = entry.text("source")
-    if Path(source_file).name != source_file or source_file.startswith(".") or not source_file.endswith(".cu"):
-        entry.fail(entry.key("source"), f"{_show(source_file)} is not a .cu file name beside kernel.json")
-    try:
-        source = (directory / source_file).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise KernelFileError(f"{directory / source_file}: cannot read the kernel source ({exc}); "
-                              "re-export with `evoengineer export`") from None
+    source_file, source = entry.source("source", directory)
     return KernelSpec(entry.text("config"), entry.text("dtype", DTYPES), entry.integer("head_dim", 1), entry.flag("causal"),
                       source_file, tuple(args), tuple(launches), entry.integer("workspace_floats_per_row"),
                       tuple(features), tuple(maps), source)

@@ -13,7 +13,7 @@ import torch
 
 from . import tensormap
 from .arguments import PackedArguments, element_strides, pack_arguments, scalar_values
-from .checks import DTYPE_NAMES, Coverage, check_inputs, refuse_grad
+from .checks import DTYPE_NAMES, Coverage, check_inputs
 from .dispatch import DispatchTable
 from .grid import counter_words, grid
 from .kernel_file import ExportData, KernelSpec
@@ -61,12 +61,13 @@ Launch = tuple[int, int, int, int, int, int, int, int]
 
 
 def make_run(packed: PackedArguments, launches: Sequence[Launch], ws_floats: int, device: int,
-             launch_kernel: Callable[..., Any], maps: Sequence[MapSlot] = (), counter: tuple[int, int] | None = None
-             ) -> Callable[[Any, Any, Any], Any]:
+             launch_kernel: Callable[..., Any], maps: Sequence[MapSlot] = (), counter: tuple[int, int] | None = None,
+             lse_shape: tuple[int, ...] | None = None) -> Callable[[Any, Any, Any], Any]:
     """The per-call work: pointers, the output, tensor maps moved to this call's tensors, the
     launches on torch's current stream. A kernel whose CTAs take work tiles from a counter gets a
     zeroed one per call (one memset on the same stream); ``counter`` is (words, zeroed words) of
-    its workspace."""
+    its workspace. ``lse_shape``: an LSE forward, whose workspace is the row log-sum-exp it
+    returns beside the output as ``(out, lse)``, lse of that shape."""
     struct = packed.values
     params_addr = packed.address
     stream_of, device_now, move_maps = raw_stream, current_device, repoint
@@ -102,6 +103,8 @@ def make_run(packed: PackedArguments, launches: Sequence[Launch], ws_floats: int
                 stream = stream_of(device)
                 for f, gx, gy, gz, bx, by, bz, smem in launches:
                     launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params_addr, 0)
+        if lse_shape is not None:
+            return out, ws.view(lse_shape)
         return out
 
     return run
@@ -140,11 +143,9 @@ class Launcher:
         return self._local.__dict__.setdefault("plans", {})
 
     def _make_forward(self) -> Callable[..., Any]:
-        local, build, grad_enabled = self._local, self.plan, torch.is_grad_enabled
+        local, build = self._local, self.plan
 
         def forward(q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool) -> Any:
-            if (q.requires_grad or k.requires_grad or v.requires_grad) and grad_enabled():
-                refuse_grad(q, k, v)
             key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                    q.get_device(), k.get_device(), v.get_device(), is_causal, scale, enable_gqa)
             try:
@@ -173,22 +174,29 @@ class Launcher:
         check_inputs(self.coverage, q, k, v, is_causal, scale, enable_gqa)
         batch, heads, seq_q, head_dim = (int(x) for x in q.shape)
         heads_kv, seq_k = int(k.shape[1]), int(k.shape[2])
-        if seq_q == 0 or batch * heads == 0:
-            return Plan(_empty_output)
+        if seq_q == 0 or batch * heads == 0 or q.is_meta:
+            return Plan(_empty_output)   # meta tensors: the output's metadata, nothing to run
         if seq_k == 0:
             raise ValueError("attention: k and v hold no keys (seq_k = 0)")
         if batch * heads > MAX_GRID_ROWS:
             raise ValueError(f"attention: batch * heads = {batch * heads} exceeds the grid's {MAX_GRID_ROWS} (the kernels "
                              "put one (batch, head) per grid row); split the batch")
-        dtype, causal, device = DTYPE_NAMES[q.dtype], bool(is_causal), q.get_device()
+        dtype, causal = DTYPE_NAMES[q.dtype], bool(is_causal)
         cid = self.table.choose(dtype, head_dim, causal, batch, heads, seq_q, seq_k, heads_kv)
-        spec = self.data.kernels[(dtype, head_dim, causal, cid)]
+        return self.plan_kernel(self.data.kernels[(dtype, head_dim, causal, cid)], q, k, v, scale)
+
+    def plan_kernel(self, spec: KernelSpec, q: Any, k: Any, v: Any, scale: float | None, lse: bool = False) -> Plan:
+        """The plan of one forward kernel over these (checked, non-empty) tensors; ``lse``: an LSE
+        forward, whose run returns ``(out, lse)``."""
+        batch, heads, seq_q, head_dim = (int(x) for x in q.shape)
+        heads_kv, seq_k = int(k.shape[1]), int(k.shape[2])
+        cid, device = spec.config, q.get_device()
         out_meta = torch.empty_like(q, device="meta")
         strides = (element_strides(q), element_strides(k), element_strides(v), element_strides(out_meta))
         if any(s % 8 for group in strides for s in group):
             raise ValueError(f"attention: strides must be multiples of 8 elements (16 bytes), got q {tuple(q.stride())}, "
                              f"k {tuple(k.stride())}, v {tuple(v.stride())}; pass .contiguous() copies")
-        functions = self.kernels.functions(spec.key, device)
+        functions = self.kernels.functions(spec.key, device, spec)
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         values: dict[str, int | float] = {**scalar_values(batch, heads, heads_kv, seq_q, seq_k, *strides, scale * LOG2E),
                                           "Q": 0, "K": 0, "V": 0, "O": 0, "WS": 0}
@@ -203,7 +211,8 @@ class Launcher:
             cupy.cuda.runtime.setDevice(device)  # binds the device's context to this thread for the driver-API launch
         counter = next((counter_words(launch, batch, heads, seq_q, sms) for launch in spec.launches
                         if launch.tile_counter), None)
-        run = make_run(packed, launches, ws_floats, device, cupy.cuda.driver.launchKernel, maps, counter)
+        run = make_run(packed, launches, ws_floats, device, cupy.cuda.driver.launchKernel, maps, counter,
+                       (batch, heads, seq_q) if lse else None)
         return Plan(run, cid, spec, launches, packed, ws_floats, counter, tuple(fn for fn, _ in functions), keep)
 
     def _encode_maps(self, spec: KernelSpec, q: Any, k: Any, v: Any, out_meta: Any

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .kernel_file import ExportData, KernelSpec
+from .kernel_file import ExportData
 
 DEFAULT_SMEM_LIMIT = 48 * 1024
 """Dynamic shared memory a kernel gets without opting in."""
@@ -39,14 +39,16 @@ def compile_options(source: str) -> tuple[str, ...]:
     return ("--std=c++17", *((f"-arch={required}",) if required else ()))
 
 
-def describe(data: ExportData, spec: KernelSpec) -> str:
-    """``mma 128x64 w4 (3f2a1b) fp16 D64 causal``: a kernel as errors name it."""
-    return (f"{data.configs[spec.config].short} ({spec.config[:6]}) {spec.dtype} D{spec.head_dim}"
-            f"{' causal' if spec.causal else ''}")
+def describe(data: ExportData, spec: Any) -> str:
+    """``mma 128x64 w4 (3f2a1b) fp16 D64 causal``: a kernel (forward, LSE forward or backward) as errors name it."""
+    info = data.configs.get(spec.config) or (data.backward.configs.get(spec.config) if data.backward else None)
+    short = info.short if info is not None else "kernel"
+    return f"{short} ({spec.config[:6]}) {spec.dtype} D{spec.head_dim}{' causal' if spec.causal else ''}"
 
 
-def build(data: ExportData, spec: KernelSpec, device: int) -> tuple[Any, Functions]:
-    """Compile ``spec`` for ``device`` and load its launches' functions; RuntimeError in one line
+def build(data: ExportData, spec: Any, device: int) -> tuple[Any, Functions]:
+    """Compile ``spec`` (a forward ``KernelSpec`` or a ``BackwardKernelSpec``: a source and its
+    launches) for ``device`` and load its launches' functions; RuntimeError in one line
     naming the kernel and the GPU where the GPU cannot run it or NVRTC refuses it."""
     cupy = import_cupy()
     what = describe(data, spec)
@@ -84,20 +86,28 @@ class KernelCache:
 
     def __init__(self, data: ExportData) -> None:
         self._data = data
-        self._built: dict[tuple[tuple[str, int, bool, str], int], tuple[Any, Functions]] = {}
+        self._built: dict[tuple[str, int], tuple[Any, Functions]] = {}
         self._lock = threading.Lock()
 
-    def functions(self, key: tuple[str, int, bool, str], device: int) -> Functions:
-        found = self._built.get((key, device))
+    def functions(self, key: tuple[str, int, bool, str], device: int, spec: Any = None) -> Functions:
+        """The loaded functions of the forward kernel ``key``, or of ``spec`` (an LSE forward or a
+        backward kernel of the export), on ``device``."""
+        spec = self._data.kernels[key] if spec is None else spec
+        slot = (spec.source_file, device)   # each kernel of an export has a source file of its own
+        found = self._built.get(slot)
         if found is None:
             with self._lock:
-                found = self._built.get((key, device))
+                found = self._built.get(slot)
                 if found is None:
-                    found = self._built[(key, device)] = build(self._data, self._data.kernels[key], device)
+                    found = self._built[slot] = build(self._data, spec, device)
         return found[1]
 
     def compile_all(self, device: int) -> int:
-        """Build every kernel of the export on ``device``; the number of kernels."""
-        for key in self._data.kernels:
-            self.functions(key, device)
-        return len(self._data.kernels)
+        """Build every kernel of the export on ``device`` (the LSE forwards and backward kernels
+        too); the number of kernels."""
+        specs = list(self._data.kernels.values())
+        if self._data.backward is not None:
+            specs += [*self._data.backward.forward_kernels.values(), *self._data.backward.kernels.values()]
+        for spec in specs:
+            self.functions(spec.key, device, spec)
+        return len(specs)

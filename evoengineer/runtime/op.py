@@ -1,52 +1,195 @@
-"""The torch custom op ``<namespace>::attention`` with a fake implementation, and ``attention``:
-the eager fast path for plain tensors, the op for everything else (torch.compile, tensor
-subclasses, dispatch modes such as FakeTensorMode)."""
+"""The torch custom ops of an export and ``attention``, the function a user calls.
+
+Three ops in the export's namespace, each with a fake implementation (so torch.compile traces
+them and FakeTensorMode runs them without a GPU):
+
+- ``attention(q, k, v, is_causal, scale, enable_gqa, deterministic) -> out``: inference; no LSE is
+  written. Its registered backward recomputes the LSE (one LSE forward) for callers that hold
+  the op itself;
+- ``attention_lse(...) -> (out, lse)``: the forward a gradient needs (the row log-sum-exp beside
+  the output), with ``torch.library.register_autograd``: it saves q, k, v, out and lse only;
+- ``attention_backward(do, q, k, v, out, lse, ...) -> (dq, dk, dv)``, whose own backward (a
+  double backward) is refused in one line.
+
+``attention(...)`` takes the eager fast path for plain tensors that need no gradient, the
+``attention_lse`` op where one is needed (grad mode on and q, k or v requiring grad), and the
+inference op for everything else (torch.compile, tensor subclasses, dispatch modes).
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from .checks import Coverage, check_inputs
+from .checks import DTYPE_NAMES, Coverage, check_grad, check_inputs
 
-SCHEMA = "(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, bool enable_gqa=False) -> Tensor"
+SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
+          "bool deterministic=False) -> Tensor")
+LSE_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
+              "bool deterministic=False) -> (Tensor, Tensor)")
+BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool is_causal, float? scale, "
+                   "bool enable_gqa, bool deterministic) -> (Tensor, Tensor, Tensor)")
+DOUBLE_BACKWARD_ERROR = ("attention: double backward (a gradient of the attention's gradients, e.g. create_graph=True) "
+                         "is not supported by the exported kernels")
 
 Forward = Callable[[Any, Any, Any, bool, "float | None", bool], Any]
 
 
-def register_op(namespace: str, forward: Forward, coverage: Coverage) -> Any:
-    """``torch.ops.<namespace>.attention.default``, registered on first use of the namespace (a
-    second copy of the same export shares the op)."""
-    def impl(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None,
-             enable_gqa: bool = False) -> Any:
+@dataclass
+class Settings:
+    """Module-level switches of an export."""
+
+    deterministic: bool = False
+    """Run the deterministic backward (dQ without atomics, bit-identical run to run) for every
+    call that does not pass ``deterministic=``; ``torch.use_deterministic_algorithms(True)`` asks
+    for it too."""
+
+
+@dataclass
+class Ops:
+    """The three ops of an export (``OpOverload``s)."""
+
+    attention: Any
+    attention_lse: Any
+    attention_backward: Any
+
+
+def register_ops(namespace: str, forward: Forward, forward_lse: Callable[..., Any], backward: Callable[..., Any],
+                 coverage: Coverage, grad_check: Callable[[Any, bool], None]) -> Ops:
+    """The export's ops, registered on first use of the namespace (a second copy of the same export
+    shares them). ``grad_check(q, is_causal)`` raises unless a backward covers such a call
+    (metadata only, so it also runs on fake tensors)."""
+    ns = getattr(torch.ops, namespace)
+    if not hasattr(ns, "attention"):
+        _define(namespace, forward, forward_lse, backward, coverage, grad_check)
+    return Ops(ns.attention.default, ns.attention_lse.default, ns.attention_backward.default)
+
+
+def _define(namespace: str, forward: Forward, forward_lse: Callable[..., Any], backward: Callable[..., Any],
+            coverage: Coverage, grad_check: Callable[[Any, bool], None]) -> None:
+    def impl(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+             deterministic: bool = False) -> Any:
         return forward(q, k, v, is_causal, scale, enable_gqa)
 
-    def fake(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None,
-             enable_gqa: bool = False) -> Any:
+    def fake(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+             deterministic: bool = False) -> Any:
         check_inputs(coverage, q, k, v, is_causal, scale, enable_gqa)
         return torch.empty_like(q)
 
-    if not hasattr(getattr(torch.ops, namespace), "attention"):
-        opdef = torch.library.custom_op(f"{namespace}::attention", impl, mutates_args=(), schema=SCHEMA)
-        opdef.register_fake(fake)
-    return getattr(torch.ops, namespace).attention.default
+    def lse_impl(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                 deterministic: bool = False) -> tuple[Any, Any]:
+        out, lse = forward_lse(q, k, v, is_causal, scale, enable_gqa)
+        return out, lse
+
+    def lse_fake(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                 deterministic: bool = False) -> tuple[Any, Any]:
+        check_inputs(coverage, q, k, v, is_causal, scale, enable_gqa)
+        grad_check(q, is_causal)
+        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    def backward_impl(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, is_causal: bool, scale: float | None,
+                      enable_gqa: bool, deterministic: bool) -> tuple[Any, Any, Any]:
+        return backward(grad_out, q, k, v, out, lse, is_causal, scale, enable_gqa, deterministic)
+
+    def backward_fake(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, is_causal: bool, scale: float | None,
+                      enable_gqa: bool, deterministic: bool) -> tuple[Any, Any, Any]:
+        devices = {t.device for t in (grad_out, q, k, v, out, lse)}
+        if len(devices) != 1:
+            raise ValueError(f"attention: backward inputs must be on one device, got {', '.join(sorted(map(str, devices)))}")
+        grad_check(q, is_causal)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    lib = f"{namespace}::"
+    inference = torch.library.custom_op(lib + "attention", impl, mutates_args=(), schema=SCHEMA)
+    inference.register_fake(fake)
+    with_lse = torch.library.custom_op(lib + "attention_lse", lse_impl, mutates_args=(), schema=LSE_SCHEMA)
+    with_lse.register_fake(lse_fake)
+    gradients = torch.library.custom_op(lib + "attention_backward", backward_impl, mutates_args=(), schema=BACKWARD_SCHEMA)
+    gradients.register_fake(backward_fake)
+    ns = getattr(torch.ops, namespace)
+    lse_op, backward_op = ns.attention_lse.default, ns.attention_backward.default
+
+    def save(ctx: Any, inputs: tuple, out: Any, lse: Any) -> None:
+        q, k, v, is_causal, scale, enable_gqa, deterministic = inputs
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.is_causal, ctx.scale, ctx.enable_gqa, ctx.deterministic = is_causal, scale, enable_gqa, deterministic
+
+    def lse_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
+        save(ctx, inputs, out, lse)
+
+    def lse_backward(ctx: Any, grad_out: Any, grad_lse: Any) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            return None, None, None, None, None, None, None
+        dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.enable_gqa, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None
+
+    def inference_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+        q, k, v, is_causal, scale, enable_gqa, deterministic = inputs
+        grad_check(q, is_causal)
+        ctx.save_for_backward(q, k, v)
+        ctx.is_causal, ctx.scale, ctx.enable_gqa, ctx.deterministic = is_causal, scale, enable_gqa, deterministic
+
+    def inference_backward(ctx: Any, grad_out: Any) -> tuple:
+        """The inference op kept no LSE: one LSE forward recomputes it (and the output it goes with)."""
+        q, k, v = ctx.saved_tensors
+        if grad_out is None:
+            return None, None, None, None, None, None, None
+        out, lse = lse_op(q, k, v, ctx.is_causal, ctx.scale, ctx.enable_gqa, ctx.deterministic)
+        dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.enable_gqa, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None
+
+    def refuse_double_backward(ctx: Any, *grads: Any) -> tuple:
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+    def backward_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+        pass
+
+    with_lse.register_autograd(lse_backward, setup_context=lse_setup)
+    inference.register_autograd(inference_backward, setup_context=inference_setup)
+    gradients.register_autograd(refuse_double_backward, setup_context=backward_setup)
 
 
-def make_attention(forward: Forward, op: Any) -> Callable[..., Any]:
-    """``attention(q, k, v, is_causal=False, scale=None, enable_gqa=False)`` of one export."""
+def make_attention(forward: Forward, ops: Ops, settings: Settings) -> Callable[..., Any]:
+    """``attention(q, k, v, is_causal=False, scale=None, enable_gqa=False, deterministic=None)`` of one export."""
     compiling = torch.compiler.is_compiling
     tensor = torch.Tensor
     dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+    grad_enabled = torch.is_grad_enabled
+    torch_deterministic = torch.are_deterministic_algorithms_enabled
+    op, lse_op = ops.attention, ops.attention_lse
 
     def attention(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None,
-                  enable_gqa: bool = False) -> Any:
+                  enable_gqa: bool = False, deterministic: bool | None = None) -> Any:
         """softmax(q k^T * scale) v as torch.nn.functional.scaled_dot_product_attention computes it
         (is_causal: top-left aligned; scale: default 1/sqrt(head_dim); enable_gqa: k, v may have
         fewer heads). q: (batch, heads, seq_q, head_dim), k and v: (batch, heads_kv, seq_k,
         head_dim), CUDA tensors of one dtype with a contiguous last dimension. Returns a new
-        tensor shaped like q."""
-        if compiling() or type(q) is not tensor or type(k) is not tensor or type(v) is not tensor or dispatch_modes():
+        tensor shaped like q. Differentiable: where q, k or v requires grad, the forward keeps
+        the row log-sum-exp and ``backward()`` runs the exported backward kernels;
+        ``deterministic=True`` (default: the module's ``set_deterministic``, or
+        ``torch.use_deterministic_algorithms``) picks a backward whose gradients are
+        bit-identical run to run."""
+        plain = type(q) is tensor and type(k) is tensor and type(v) is tensor
+        if plain and not (grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            if not compiling() and not dispatch_modes():
+                return forward(q, k, v, is_causal, scale, enable_gqa)
             return op(q, k, v, is_causal, scale, enable_gqa)
-        return forward(q, k, v, is_causal, scale, enable_gqa)
+        if grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
+            if deterministic is None:
+                deterministic = settings.deterministic or torch_deterministic()
+            return lse_op(q, k, v, is_causal, scale, enable_gqa, bool(deterministic))[0]
+        return op(q, k, v, is_causal, scale, enable_gqa)
 
     return attention
+
+
+def grad_checker(backward: Any) -> Callable[[Any, bool], None]:
+    """``grad_check(q, is_causal)`` for ``register_ops`` over an export's backward section."""
+    def grad_check(q: Any, is_causal: bool) -> None:
+        check_grad(backward, DTYPE_NAMES.get(q.dtype, str(q.dtype)), int(q.shape[-1]), bool(is_causal))
+
+    return grad_check

@@ -164,8 +164,7 @@ def test_errors_that_need_a_gpu(module) -> None:
     q, k, v = _qkv(1, 2, 64, 64, 64)
     with pytest.raises(ValueError, match="^attention: q, k and v must be on one device"):
         module.attention(q, k.cpu(), v)
-    with pytest.raises(RuntimeError, match="^attention: q requires grad and these kernels have no backward"):
-        module.attention(q.clone().requires_grad_(), k, v)
+    assert module.attention(q.clone().requires_grad_(), k, v).grad_fn is not None   # the training path
     with torch.no_grad():
         module.attention(q.clone().requires_grad_(), k, v)
     flat = torch.randn(1 + q.numel(), device="cuda", dtype=torch.float16)

@@ -1,0 +1,73 @@
+"""The backward of an export against SDPA's (cuDNN, flash) and flash-attn-4's, and a small Llama's
+training step with SDPA and with the export.
+
+    python benchmarks/training_vs_sdpa.py --module best/ [--out bench/] [--quick]
+
+Rows: B4 H16 S2048 D64 and D128, B8 H16 S4096 D128, GQA B2 H32/8 S4096 D128, full and causal,
+fp16 and bf16 (a row whose variant the export's backward does not cover is skipped). Per row:
+each side's backward device time (CUDA-graph replay) and TF/s (2.5 x the forward's FLOPs, half
+for causal) in interleaved rounds, and evo's time over each other side's, paired per round.
+What is measured and how: ``evoengineer.bench.training``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from evoengineer.bench.exported import load_module
+from evoengineer.bench.protocol import Summary
+from evoengineer.bench.training import SHAPES, SIDES, backward_row, llama_step_times, summary_lines, time_backwards
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--module", type=Path, required=True, help="an export directory (kernel.json and the module)")
+    parser.add_argument("--out", type=Path, help="write results.json here")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per row (default 5)")
+    parser.add_argument("--repetitions", type=int, default=30, help="CUDA-graph samples per measurement (default 30)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds, 10 samples, the first shape only, no Llama")
+    parser.add_argument("--no-llama", action="store_true", help="skip the Llama training step")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    module = load_module(args.module)
+    rounds, repetitions = (2, 10) if args.quick else (args.rounds, args.repetitions)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    rows = []
+    for dtype_name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        for shape in shapes:
+            for causal in (False, True):
+                label = f"{shape.label()}{' causal' if causal else ''} {dtype_name}"
+                if (dtype_name, shape.head_dim, causal) not in module.BACKWARD:
+                    print(f"{label}: skipped, the export has no backward for it")
+                    continue
+                row = backward_row(shape, dtype_name, causal,
+                                   time_backwards(module, shape, dtype, causal, SIDES, rounds, repetitions))
+                rows.append(row)
+                cells = [f"{side} {s['median_us']:.0f}us {s['tflops']:.0f}TF/s" if "median_us" in s else f"{side} -"
+                         for side, s in row["sides"].items()]
+                ratios = " ".join(f"/{side} {r:.2f}" for side, r in row["evo_time_over"].items())
+                print(f"{label}: {', '.join(cells)}; evo time {ratios}")
+                sys.stdout.flush()
+    for line in summary_lines(rows):
+        print(line)
+    llama = None
+    if not (args.quick or args.no_llama):
+        try:
+            steps = llama_step_times(module, rounds=3, steps=5, dtype=torch.bfloat16)
+            llama = {name: {"median_ms": Summary.of(ms).median_us, "rounds": ms} for name, ms in steps.items() if ms}
+            print("Llama (4 layers, 2048 hidden, B2 S2048, bf16) training step, ms: "
+                  + ", ".join(f"{name} {s['median_ms']:.1f}" for name, s in llama.items()))
+        except ImportError as exc:
+            print(f"Llama step skipped: {exc}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps({"rows": rows, "llama_step_ms": llama}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The backward kernels of an export: which configurations, and their ``kernel.json`` entries.
+
+Every (dtype, head_dim, causal) of an export whose head dim the backward supports
+(``kernels.backward_rules.HEAD_DIMS``) gets an LSE forward (``forward_lse_config``), a backward
+configuration (given with ``--backward``, a backward search's per-case winners, else the head
+dim's default) and a deterministic one (dQ without atomics: the chosen one where it is
+deterministic already, else the head dim's deterministic default).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..kernels import Rendered
+from ..kernels.backward_rules import (
+    BACKWARD_CONFIGS,
+    DEFAULTS,
+    HEAD_DIMS,
+    backward_arguments,
+    backward_launches,
+    default_config,
+    deterministic,
+    problems,
+)
+from ..space import Config
+from .per_shape import ExportError, Shape
+
+WORKSPACE_FLOATS = {"Dsum": lambda head_dim: 1, "dQacc": lambda head_dim: head_dim}
+"""fp32 floats per query row of each backward workspace: D = rowsum(dO * O), and the atomic dQ accumulator."""
+
+
+@dataclass(frozen=True)
+class MeasuredBackward:
+    """A measured backward case and the configuration that won it (a backward search's per-shape winner)."""
+
+    shape: Shape
+    config: Config
+    median_us: float
+
+
+@dataclass
+class BackwardChoice:
+    """What ``evoengineer export`` puts in an export's backward: explicit configurations per head
+    dim (``--backward``), measured winners of backward runs, or none at all (``enabled`` False)."""
+
+    configs: dict[int, Config] = field(default_factory=dict)
+    measured: list[MeasuredBackward] = field(default_factory=list)
+    enabled: bool = True
+
+    def fallback(self, dtype: str, head_dim: int, causal: bool) -> Config:
+        """The variant's backward fallback: the explicit one, else the variant's fastest measured
+        winner over most cases, else the head dim's default."""
+        if head_dim in self.configs:
+            return self.configs[head_dim]
+        won = [m.config for m in self.measured if m.shape.variant_key == (dtype, head_dim, causal)]
+        if won:
+            return max(dict.fromkeys(won), key=won.count)
+        return default_config(head_dim)
+
+
+def parse_backward_option(text: str) -> dict[int, Config]:
+    """A ``--backward`` value as head dim -> configuration: ``[D<head_dim>:]NAME`` (a configuration
+    of ``BACKWARD_CONFIGS``; without a head dim, for each head dim that has that name) or
+    ``[D<head_dim>:]BLOCK_M=32,BLOCK_N=64,...`` (parameters over the defaults; without a head dim,
+    for each head dim it is valid for). ExportError in one line for anything else."""
+    head_dim: int | None = None
+    body = text.strip()
+    if body[:1] in ("D", "d") and ":" in body:
+        prefix, body = body.split(":", 1)
+        if not prefix[1:].isdigit():
+            raise ExportError(f"--backward {text!r}: expected D<head_dim>:CONFIG, e.g. D128:m32n64")
+        head_dim = int(prefix[1:])
+        if head_dim not in HEAD_DIMS:
+            raise ExportError(f"--backward {text!r}: the backward supports head dims {', '.join(map(str, HEAD_DIMS))}")
+    dims = [head_dim] if head_dim is not None else list(HEAD_DIMS)
+    if "=" in body:
+        try:
+            config = Config({**DEFAULTS, **Config.parse(body)})
+        except ValueError as exc:
+            raise ExportError(f"--backward {text!r}: {exc}") from None
+        found = {d: problems(config, d) for d in dims}
+        valid = {d: config for d in dims if not found[d]}
+        if not valid or (head_dim is not None and found[head_dim]):
+            raise ExportError(f"--backward {text!r}: {next(f for f in found.values() if f)[0]}")
+        return valid
+    named = {d: BACKWARD_CONFIGS[d][body] for d in dims if body in BACKWARD_CONFIGS[d]}
+    if not named:
+        names = sorted({n for d in dims for n in BACKWARD_CONFIGS[d]})
+        raise ExportError(f"--backward {text!r}: no configuration {body!r}; named ones: {', '.join(names)}")
+    return named
+
+
+def backward_choice(options: Sequence[str], enabled: bool = True, measured: Sequence[MeasuredBackward] = ()) -> BackwardChoice:
+    """The choice ``--backward`` options make (later options win for a head dim)."""
+    configs: dict[int, Config] = {}
+    for option in options:
+        configs.update(parse_backward_option(option))
+    return BackwardChoice(configs, list(measured), enabled)
+
+
+def deterministic_twin(config: Config, head_dim: int) -> Config:
+    """The configuration a deterministic call runs: ``config`` itself where its dQ uses no
+    atomics, else the head dim's deterministic default."""
+    return config if deterministic(config) else default_config(head_dim, deterministic_dq=True)
+
+
+def workspaces(rendered: Rendered, config: Config, head_dim: int) -> dict[str, int]:
+    """Floats per query row of each workspace argument the backward takes."""
+    names = [name for name, kind in backward_arguments(rendered) if kind == "ptr"]
+    out = {}
+    for name in names:
+        if name in WORKSPACE_FLOATS and (name != "dQacc" or not deterministic(config)):
+            out[name] = WORKSPACE_FLOATS[name](head_dim)
+        elif name in WORKSPACE_FLOATS:
+            out[name] = 0   # taken, never touched (dQ computed without atomics)
+    return out
+
+
+def short_backward(config: Config) -> str:
+    """``bwd 64x128 st2 atomic`` or ``bwd 32x64 st2 sep 64x64``: a backward configuration in tables."""
+    v = {**DEFAULTS, **dict(config)}
+    dq = "atomic" if v["DQ_MODE"] == "atomic" else f"sep {v['DQ_BLOCK_M']}x{v['DQ_BLOCK_N']}"
+    return f"bwd {v['BLOCK_M']}x{v['BLOCK_N']} st{v['STAGES']} {dq}"
+
+
+def backward_kernel_entry(rendered: Rendered, config_id: str, config: Config, dtype: str, head_dim: int, causal: bool,
+                          source: str) -> dict[str, Any]:
+    """A ``backward.kernels`` entry of kernel.json."""
+    try:
+        args = backward_arguments(rendered)
+        launches = backward_launches(rendered)
+    except ValueError as exc:
+        raise ExportError(f"backward {config.label()} {dtype} D{head_dim}: {exc}") from None
+    return {"config": config_id, "dtype": dtype, "head_dim": head_dim, "causal": causal, "source": source,
+            "args": [list(a) for a in args], "deterministic": deterministic(config),
+            "workspaces": workspaces(rendered, config, head_dim),
+            "launches": [{"kernel": l.kernel, "block": list(l.block), "smem": l.smem, "rows_per_cta": l.rows_per_cta,
+                          "grid": l.over} for l in launches]}
