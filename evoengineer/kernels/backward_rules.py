@@ -125,8 +125,6 @@ BACKWARD_CONFIGS: dict[int, dict[str, Config]] = {
         "m64n128-sep": backward_config(64, 128, dq_mode="separate"),
         "t64n128": backward_config(64, 128, dkdv="tiles"),
         "t128n128": backward_config(128, 128, dkdv="tiles"),
-        "t64n64": backward_config(64, 64, dkdv="tiles"),
-        "t64n128-sep": backward_config(64, 128, dkdv="tiles", dq_mode="separate"),
     },
     128: {
         "m32n64": backward_config(32, 64),
@@ -135,19 +133,29 @@ BACKWARD_CONFIGS: dict[int, dict[str, Config]] = {
         "m32n64-sep": backward_config(32, 64, dq_mode="separate"),
         "m32n128-sep": backward_config(32, 128, dq_mode="separate", dq_block_n=32),
         "t64n128": backward_config(64, 128, dkdv="tiles"),
-        "t64n64": backward_config(64, 64, dkdv="tiles"),
         "t64n128-sep": backward_config(64, 128, dkdv="tiles", dq_mode="separate"),
     },
 }
-"""The configurations kept per head dim: each builds for sm_80 and sm_90 without spills (CPU tests)."""
+"""The configurations kept per head dim: each builds for sm_80 and sm_90 without spills (CPU tests), but
+for the spill bytes ``SPILLS_ALLOWED`` names."""
+
+SPILLS_ALLOWED: dict[tuple[int, str], int] = {
+    (128, "t64n128"): 256,
+    (128, "t64n128-sep"): 256,
+    (64, "t128n128"): 512,
+}
+"""(head dim, name) -> the most spill bytes (stores + loads, per ptxas, any variant and arch) the CPU
+tests accept: ``tiles`` configurations at 255 registers whose spills are a few loop-invariant addresses
+(D128 t64n128: 9 loads per 320 mma.sync of an iteration); on an H200 they were the fastest anyway."""
 
 
 def default_config(head_dim: int, *, deterministic_dq: bool = False) -> Config:
     """The backward configuration used when none is given."""
     if head_dim not in BACKWARD_CONFIGS:
         raise ValueError(f"head_dim {head_dim}: the backward supports {', '.join(map(str, HEAD_DIMS))}")
-    name = {64: "m64n64", 128: "m32n64"}[head_dim]
-    return BACKWARD_CONFIGS[head_dim][name + ("-sep" if deterministic_dq else "")]
+    if deterministic_dq:
+        return BACKWARD_CONFIGS[head_dim][{64: "m64n64-sep", 128: "t64n128-sep"}[head_dim]]
+    return BACKWARD_CONFIGS[head_dim][{64: "m64n64", 128: "t64n128"}[head_dim]]
 
 
 def forward_lse_config(head_dim: int) -> Config:
