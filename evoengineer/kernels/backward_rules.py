@@ -143,6 +143,7 @@ SPILLS_ALLOWED: dict[tuple[int, str], int] = {
     (128, "t64n128"): 256,
     (128, "t64n128-sep"): 256,
     (64, "t128n128"): 512,
+    (64, "t64n128"): 64,
 }
 """(head dim, name) -> the most spill bytes (stores + loads, per ptxas, any variant and arch) the CPU
 tests accept: ``tiles`` configurations at 255 registers whose spills are a few loop-invariant addresses
@@ -155,7 +156,7 @@ def default_config(head_dim: int, *, deterministic_dq: bool = False) -> Config:
         raise ValueError(f"head_dim {head_dim}: the backward supports {', '.join(map(str, HEAD_DIMS))}")
     if deterministic_dq:
         return BACKWARD_CONFIGS[head_dim][{64: "m64n64-sep", 128: "t64n128-sep"}[head_dim]]
-    return BACKWARD_CONFIGS[head_dim][{64: "m64n64", 128: "t64n128"}[head_dim]]
+    return BACKWARD_CONFIGS[head_dim][{64: "t128n128", 128: "t64n128"}[head_dim]]
 
 
 def forward_lse_config(head_dim: int) -> Config:
