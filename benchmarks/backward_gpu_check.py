@@ -3,6 +3,7 @@
     python benchmarks/backward_gpu_check.py                       # everything, JSON to backward_gpu_check.json
     python benchmarks/backward_gpu_check.py --skip-timing         # the correctness grid only
     python benchmarks/backward_gpu_check.py --skip-correctness --reps 20 --json out.json
+    python benchmarks/backward_gpu_check.py --configs t64n128,D128:m32n64 --dtypes fp16   # a subset
 
 1. Correctness: every kept backward configuration (``evoengineer/kernels/backward_rules.py``) on
    S = 1, 5, 77, 257, 1024, seq_q != seq_k both ways and grouped-query heads, causal and full, fp16
@@ -68,10 +69,22 @@ def torch_dtype(name: str) -> Any:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
 
 
-def precompile(arch: str) -> None:
+def selected(names: list[str] | None) -> dict[int, dict[str, Config]]:
+    """BACKWARD_CONFIGS, only the given names (all when None); a name may be 'D128:t64n128' or 't64n128'."""
+    if not names:
+        return BACKWARD_CONFIGS
+    out: dict[int, dict[str, Config]] = {}
+    for head_dim, named in BACKWARD_CONFIGS.items():
+        keep = {n: c for n, c in named.items() if n in names or f"D{head_dim}:{n}" in names}
+        if keep:
+            out[head_dim] = keep
+    return out
+
+
+def precompile(arch: str, configs: dict[int, dict[str, Config]]) -> None:
     """Warm the NVRTC disk cache for every configuration and variant, in parallel."""
     sources = []
-    for head_dim, named in BACKWARD_CONFIGS.items():
+    for head_dim, named in configs.items():
         for dtype, causal in itertools.product(DTYPES, (False, True)):
             variant = Variant(head_dim, causal, dtype)
             sources += [render(BACKWARD_TEMPLATE, config, variant).source for config in named.values()]
@@ -127,15 +140,15 @@ def check_one(config: Config, shape: tuple, head_dim: int, causal: bool, dtype: 
     return {"ok": not why, "worst": worst, "why": "; ".join(why)}
 
 
-def correctness(report: dict) -> dict[tuple[int, str], bool]:
+def correctness(report: dict, configs: dict[int, dict[str, Config]], dtypes: tuple[str, ...] = DTYPES) -> dict[tuple[int, str], bool]:
     """The grid; returns (head_dim, config name) -> passed everywhere."""
     passed: dict[tuple[int, str], bool] = {}
     report["correctness"] = []
-    for head_dim, named in BACKWARD_CONFIGS.items():
+    for head_dim, named in configs.items():
         for name, config in named.items():
             n_ok = n_all = 0
             worst = 0.0
-            for dtype, causal, shape in itertools.product(DTYPES, (False, True), CHECK_SHAPES):
+            for dtype, causal, shape in itertools.product(dtypes, (False, True), CHECK_SHAPES):
                 n_all += 1
                 case = f"D{head_dim} {name} {dtype} causal={int(causal)} {'x'.join(map(str, shape))}"
                 try:
@@ -189,7 +202,8 @@ def sdpa_backward_op(backend: str, q: Any, k: Any, v: Any, do: Any, causal: bool
     return op
 
 
-def timing(report: dict, passed: dict[tuple[int, str], bool], reps: int) -> None:
+def timing(report: dict, passed: dict[tuple[int, str], bool], reps: int, configs: dict[int, dict[str, Config]],
+           dtypes: tuple[str, ...] = DTYPES) -> None:
     import torch
 
     flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size // 4, dtype=torch.float32, device="cuda")
@@ -198,7 +212,9 @@ def timing(report: dict, passed: dict[tuple[int, str], bool], reps: int) -> None
     header = (f"{'shape':>22s} {'causal':>6s} {'dtype':>5s} {'best config':>14s} {'ours µs':>9s} {'TF/s':>6s} "
               f"{'flash µs':>9s} {'cudnn µs':>9s} {'flash/ours':>10s} {'cudnn/ours':>10s} {'fwd lse/no':>10s}")
     print("\n" + header)
-    for (B, H, H_kv, S, D), causal, dtype in itertools.product(TIME_SHAPES, (False, True), DTYPES):
+    for (B, H, H_kv, S, D), causal, dtype in itertools.product(TIME_SHAPES, (False, True), dtypes):
+        if D not in configs:
+            continue
         shape_label = f"B{B} H{H}/{H_kv} S{S} D{D}"
         flops = 2.5 * 4 * B * H * S * S * D * (0.5 if causal else 1.0)
         row: dict[str, Any] = {"shape": shape_label, "causal": causal, "dtype": dtype, "ours": {}, "errors": []}
@@ -213,7 +229,7 @@ def timing(report: dict, passed: dict[tuple[int, str], bool], reps: int) -> None
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dsum = torch.empty(B * H * S, device="cuda")
         acc = torch.empty(B * H * S * D, device="cuda")
-        for name, config in BACKWARD_CONFIGS[D].items():
+        for name, config in configs[D].items():
             if not passed.get((D, name), False):
                 continue
             try:
@@ -266,7 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--skip-correctness", action="store_true", help="time every configuration without the grid")
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--configs", help="comma-separated configuration names (e.g. t64n128,D128:m32n64); default all")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated: fp16,bf16")
     args = parser.parse_args(argv)
+    configs = selected(args.configs.split(",") if args.configs else None)
+    dtypes = tuple(args.dtypes.split(","))
+    if not configs or not set(dtypes) <= set(DTYPES):
+        print("backward_gpu_check: --configs names no configuration or --dtypes is not fp16/bf16", file=sys.stderr)
+        return 2
 
     import torch
 
@@ -277,14 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     arch = device_arch(0)
     report: dict[str, Any] = {"device": props.name, "arch": arch, "torch": torch.__version__}
     print(f"{props.name} ({arch}), torch {torch.__version__}")
-    precompile(arch)
+    precompile(arch, configs)
     if args.skip_correctness:
-        passed = {(d, n): True for d, named in BACKWARD_CONFIGS.items() for n in named}
+        passed = {(d, n): True for d, named in configs.items() for n in named}
     else:
-        passed = correctness(report)
+        passed = correctness(report, configs, dtypes)
     report["passed"] = {f"D{d} {n}": ok for (d, n), ok in passed.items()}
     if not args.skip_timing:
-        timing(report, passed, args.reps)
+        timing(report, passed, args.reps, configs, dtypes)
     args.json.write_text(json.dumps(report, indent=1, default=str))
     print(f"wrote {args.json}")
     return 0 if all(passed.values()) else 1

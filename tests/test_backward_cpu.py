@@ -10,6 +10,7 @@ from evoengineer.kernels import RenderError, compile_many, render
 from evoengineer.kernels.backward_rules import (
     BACKWARD_CONFIGS,
     BACKWARD_TEMPLATE,
+    SPILLS_ALLOWED,
     backward_arguments,
     backward_config,
     backward_launches,
@@ -90,7 +91,7 @@ BACKWARD_CASES = [(d, name, config) for d, named in BACKWARD_CONFIGS.items() for
 
 
 @pytest.mark.parametrize("head_dim,name,config", BACKWARD_CASES, ids=[f"D{d}-{n}" for d, n, _ in BACKWARD_CASES])
-def test_backward_config_compiles_for_sm80_and_sm90_without_spills(head_dim: int, name: str, config: Config) -> None:
+def test_backward_config_compiles_for_sm80_and_sm90_within_its_spill_allowance(head_dim: int, name: str, config: Config) -> None:
     assert problems(config, head_dim) == []
     variants = [v for v in VARIANTS if v.head_dim == head_dim]
     jobs = [(arch, v) for arch in ARCHS for v in variants]
@@ -110,7 +111,7 @@ def test_backward_config_compiles_for_sm80_and_sm90_without_spills(head_dim: int
         assert set(result.kernels) == set(want_smem)
         report.append(f"{arch} {variant.label()}: " + ", ".join(
             f"{k} {v.registers} regs {v.spills} B spilled" for k, v in sorted(result.kernels.items())))
-        assert result.spill_bytes == 0, report[-1]
+        assert result.spill_bytes <= SPILLS_ALLOWED.get((head_dim, name), 0), report[-1]
     print(f"\nD{head_dim} {name}:\n  " + "\n  ".join(report))
 
 
@@ -140,6 +141,8 @@ def test_grids_run_over_query_rows_or_key_rows() -> None:
     (backward_config(64, 64, dq_block_n=48), 64, "DQ_BLOCK_M"),
     (backward_config(64, 64), 96, "HEAD_DIM 96"),
     (backward_config(64, 64).replace(PATH="wgmma"), 64, "PATH"),
+    (backward_config(32, 128, dkdv="tiles"), 128, "BLOCK_M 32"),
+    (backward_config(64, 128, dkdv="diagonal"), 128, "DKDV"),
 ])
 def test_invalid_backward_configs_are_named_by_the_rules_and_refused_by_the_template(
         config: Config, head_dim: int, fragment: str) -> None:

