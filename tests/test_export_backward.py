@@ -61,7 +61,7 @@ def test_the_export_carries_an_lse_forward_a_backward_and_a_deterministic_backwa
     assert module.dispatch_backward("fp16", 128, True, 2, 8, 77, 77) == default_config(128).key()
     assert module.dispatch_backward(torch.float16, 64, False, 2, 8, 77, 77, deterministic=True) == \
         default_config(64, deterministic_dq=True).key()
-    assert module.BACKWARD_CONFIGS[default_config(64).key()]["short"] == "bwd 64x64 st2 atomic"
+    assert module.BACKWARD_CONFIGS[default_config(64).key()]["short"] == "bwd tiles 128x128 st2 atomic"
 
 
 def test_backward_options_choose_the_configuration_per_head_dim(tmp_path: Path) -> None:

@@ -117,10 +117,12 @@ def workspaces(rendered: Rendered, config: Config, head_dim: int) -> dict[str, i
 
 
 def short_backward(config: Config) -> str:
-    """``bwd 64x128 st2 atomic`` or ``bwd 32x64 st2 sep 64x64``: a backward configuration in tables."""
+    """``bwd 64x128 st2 atomic``, ``bwd tiles 64x128 st2 sep 64x64``: a backward configuration in
+    tables (``tiles``: the dK/dV kernel with 2-D warp tiles, DKDV=tiles)."""
     v = {**DEFAULTS, **dict(config)}
     dq = "atomic" if v["DQ_MODE"] == "atomic" else f"sep {v['DQ_BLOCK_M']}x{v['DQ_BLOCK_N']}"
-    return f"bwd {v['BLOCK_M']}x{v['BLOCK_N']} st{v['STAGES']} {dq}"
+    kind = "tiles " if v.get("DKDV") == "tiles" else ""
+    return f"bwd {kind}{v['BLOCK_M']}x{v['BLOCK_N']} st{v['STAGES']} {dq}"
 
 
 def backward_kernel_entry(rendered: Rendered, config_id: str, config: Config, dtype: str, head_dim: int, causal: bool,
