@@ -175,18 +175,6 @@ def test_wgmma_stays_asynchronous_and_nothing_spills(config: Config, head_dim: i
     assert compiled.spill_bytes == 0, compiled.kernels
 
 
-def test_a_serialized_wgmma_is_seen_in_the_compile() -> None:
-    """Zeroing the accumulators right after a P V makes ptxas serialize every wgmma; the compile
-    result says so, and check counts it."""
-    source = render("flash_attention", PERSISTENT, Variant(64, False)).source
-    pv = "issue_pv(o, p, v_lo());"
-    at = source.index(pv) + len(pv)
-    zeroed = source[:at] + "\n                        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;" + source[at:]
-    compiled = compile_source(zeroed, "sm_90a")
-    assert compiled.ok and compiled.wgmma_serialized, compiled.log
-    assert not compile_source(source, "sm_90a").wgmma_serialized
-
-
 # -- the space -----------------------------------------------------------------------------------
 
 
