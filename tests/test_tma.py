@@ -64,7 +64,6 @@ def test_a_tma_kernel_declares_its_tensor_maps_and_takes_them_last(config: Confi
     names = [n for n, _ in rendered.arguments]
     assert names[-3:] == ["tm_q", "tm_k", "tm_v"] and [k for _, k in rendered.arguments][-4:] == ["f32", "tmap", "tmap", "tmap"]
     assert kernel_args(rendered.source, "attn_fwd") == rendered.arguments  # the signature says the same
-    assert "cp.async.bulk.tensor.4d" in rendered.source and "load_tile<" not in rendered.source
     # shared memory: the cp.async layout plus the barriers
     assert rendered.max_smem == WGMMA.smem(config, 128) == WGMMA.smem(config.replace(LOAD="cpasync", PRODUCER=0), 128) + 256
     meta = rendered.launch_metadata()
@@ -75,7 +74,7 @@ def test_a_tma_kernel_declares_its_tensor_maps_and_takes_them_last(config: Confi
 def test_a_cpasync_kernel_declares_no_tensor_map() -> None:
     rendered = render("flash_attention", SEED.replace(LOAD="cpasync"), Variant(64, False))
     assert rendered.tensor_maps == () and [n for n, _ in rendered.arguments][-1] == "scale_log2"
-    assert "cp.async.bulk" not in rendered.source and "CUtensorMap" not in rendered.source
+    assert kernel_args(rendered.source, "attn_fwd") == rendered.arguments   # the signature takes no map
 
 
 def test_tensor_map_lines_are_checked() -> None:
@@ -125,7 +124,6 @@ def test_a_persistent_kernel_launches_one_cta_per_multiprocessor_at_most() -> No
     assert launch.grid(4, 16, 2048, 132) == (132, 1, 1)                  # 1024 work tiles over 132 CTAs
     assert launch.grid(1, 2, 5, 132) == (2, 1, 1)                        # fewer tiles than multiprocessors
     assert launch.grid(4, 16, 2048) == (1024, 1, 1)                      # no count given: a CTA per tile
-    assert "PERSISTENT" in render("flash_attention", PERSISTENT, Variant(64, False)).source
 
 
 def test_persistent_needs_a_producer_and_tma() -> None:
@@ -133,25 +131,6 @@ def test_persistent_needs_a_producer_and_tma() -> None:
         render("flash_attention", PERSISTENT.replace(LOAD="cpasync"), Variant(64, False))
     with pytest.raises(RenderError, match="PERSISTENT_REQUIRES_PRODUCER_AND_TMA"):
         render("flash_attention", NO_PRODUCER.replace(PERSISTENT=1), Variant(64, False))
-
-
-@pytest.mark.parametrize("config", [PERSISTENT, SEED.replace(BLOCK_N=192)], ids=Config.short_label)
-@pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True)])
-def test_exp2_fma_moves_its_share_of_the_softmax_exponentials_off_the_mufu(config: Config, head_dim: int, causal: bool) -> None:
-    """EXP2_FMA=2 computes 2 of every 8 softmax exponentials on the FMA units: the SASS loses
-    exactly a quarter of the MUFU.EX2 that EXP2_FMA=8 (all of them) loses, with no spills."""
-    tool = _nvdisasm()
-    if tool is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    mufu = {}
-    for share in (0, 2, 8):
-        compiled = compile_source(render("flash_attention", config.replace(EXP2_FMA=share), Variant(head_dim, causal)).source, "sm_90a")
-        assert compiled.ok, compiled.error
-        assert share == 8 or compiled.spill_bytes == 0
-        sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
-        mufu[share] = len(re.findall(r"MUFU\.EX2", sass))
-    softmax = mufu[0] - mufu[8]   # the exponentials of P (the rest rescale the running sums)
-    assert softmax >= config["BLOCK_N"] and mufu[0] - mufu[2] == softmax // 4, mufu
 
 
 def _exponentials_under_each_pv(sass: str) -> list[int]:
@@ -187,49 +166,15 @@ def test_overlap_2_runs_the_exponentials_while_p_v_is_in_flight(config: Config, 
     assert under >= (config["BLOCK_N"] // 2 if head_dim == 128 else 3 * config["BLOCK_N"] // 8), under
 
 
-def test_exp2_fma_takes_0_to_8() -> None:
-    with pytest.raises(RenderError, match="EXP2_FMA_MUST_BE_0_TO_8"):
-        render("flash_attention", SEED.replace(EXP2_FMA=9), Variant(64, False))
-
-
-CROSS_TILE = [PERSISTENT.replace(CROSS_TILE=1), PERSISTENT.replace(PINGPONG=0, Q_STAGES=2, CROSS_TILE=1),
-              PERSISTENT.replace(BLOCK_N=192, PINGPONG=0, CROSS_TILE=1)]
-
-
-@pytest.mark.parametrize("config", [SEED, PERSISTENT, *CROSS_TILE], ids=Config.short_label)
+@pytest.mark.parametrize("config", [SEED, PERSISTENT, PERSISTENT.replace(BLOCK_N=192, PINGPONG=0)], ids=Config.short_label)
 @pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False)])
 def test_wgmma_stays_asynchronous_and_nothing_spills(config: Config, head_dim: int, causal: bool) -> None:
     """ptxas keeps the wgmma asynchronous (it says so in its log when it cannot: zeroing the
-    accumulators between two tiles' P V, for one, made it serialize them; CROSS_TILE overwrites
-    them with the first P V instead)."""
+    accumulators between two tiles' P V, for one, makes it serialize them)."""
     compiled = compile_source(render("flash_attention", config, Variant(head_dim, causal)).source, "sm_90a")
     assert compiled.ok, compiled.error
     assert not compiled.wgmma_serialized, compiled.log
     assert compiled.spill_bytes == 0, compiled.kernels
-
-
-def test_a_serialized_wgmma_is_seen_in_the_compile() -> None:
-    """Zeroing the accumulators between two work tiles' P V (what CROSS_TILE avoids) makes ptxas
-    serialize every wgmma; the compile result says so, and check counts it."""
-    source = render("flash_attention", CROSS_TILE[0], Variant(64, False)).source
-    store = "store_o_regs(o, l_out, "
-    at = source.index(";", source.index(store)) + 1
-    zeroed = source[:at] + "\n            for (int i = 0; i < D / 2; ++i) o[i] = 0.f;" + source[at:]
-    compiled = compile_source(zeroed, "sm_90a")
-    assert compiled.ok and compiled.wgmma_serialized, compiled.log
-    assert not compile_source(source, "sm_90a").wgmma_serialized
-
-
-def test_cross_tile_and_a_second_q_buffer_need_persistent_ctas() -> None:
-    with pytest.raises(RenderError, match="CROSS_TILE_REQUIRES_PERSISTENT_AND_OVERLAP"):
-        render("flash_attention", SEED.replace(CROSS_TILE=1), Variant(64, False))
-    with pytest.raises(RenderError, match="CROSS_TILE_REQUIRES_PERSISTENT_AND_OVERLAP"):
-        render("flash_attention", PERSISTENT.replace(INTRA_WG_OVERLAP=0, PINGPONG=0, STAGES=3, CROSS_TILE=1), Variant(64, False))
-    with pytest.raises(RenderError, match="Q_STAGES_2_REQUIRES_PERSISTENT"):
-        render("flash_attention", SEED.replace(Q_STAGES=2), Variant(64, False))
-    two = render("flash_attention", PERSISTENT.replace(Q_STAGES=2), Variant(128, False))
-    one = render("flash_attention", PERSISTENT, Variant(128, False))
-    assert two.launches[0].smem == one.launches[0].smem + 2 * 128 * 128   # a second 128-row Q tile
 
 
 # -- the space -----------------------------------------------------------------------------------
@@ -407,7 +352,7 @@ def _between_the_waits(sass: str, opcode: str = "MUFU.EX2") -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("config", [SEED, PERSISTENT.replace(BLOCK_N=192, PINGPONG=0), PERSISTENT.replace(CROSS_TILE=1)],
+@pytest.mark.parametrize("config", [SEED, PERSISTENT.replace(BLOCK_N=192, PINGPONG=0)],
                          ids=Config.short_label)
 @pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True)])
 def test_softmax_pin_keeps_the_softmax_before_the_wait_for_p_v(config: Config, head_dim: int, causal: bool) -> None:
@@ -471,35 +416,9 @@ def test_softmax_pin_needs_overlap_and_mbarriers() -> None:
         render("flash_attention", SEED.replace(INTRA_WG_OVERLAP=0, SOFTMAX_PIN=1), Variant(64, False))
     with pytest.raises(RenderError, match="SOFTMAX_PIN_REQUIRES"):
         render("flash_attention", NO_PRODUCER.replace(LOAD="cpasync", INTRA_WG_OVERLAP=1, SOFTMAX_PIN=1), Variant(64, False))
-    assert "st.shared.v2.f32" in render("flash_attention", SEED.replace(SOFTMAX_PIN=1), Variant(64, False)).source
 
 
-@pytest.mark.parametrize("config", [SEED, PERSISTENT.replace(PINGPONG=0), NO_PRODUCER, PERSISTENT.replace(CROSS_TILE=1)],
-                         ids=Config.short_label)
-def test_lazy_rescale_puts_the_rescale_of_o_behind_a_warp_vote(config: Config) -> None:
-    """LAZY_RESCALE=1 keeps a row's maximum unless a tile's exceeds it by more than 2^8, and a warp
-    rescales its O accumulators only when one of its rows moved: one VOTE.ANY in the SASS, the same
-    registers and no spills or serialized wgmma."""
-    tool = _nvdisasm()
-    if tool is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    votes, registers = {}, {}
-    for lazy in (0, 1):
-        rendered = render("flash_attention", config.replace(LAZY_RESCALE=lazy), Variant(128, True))
-        assert ("RESCALE_SLACK" in rendered.source) and (("LAZY_RESCALE = true" in rendered.source) == bool(lazy))
-        compiled = compile_source(rendered.source, "sm_90a")
-        assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
-        sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
-        votes[lazy] = sass.count("VOTE.ANY")
-        registers[lazy] = compiled.kernels["attn_fwd"].registers
-    assert votes[0] == 0 and votes[1] >= 1, votes
-    assert registers[0] == registers[1]
-    with pytest.raises(RenderError, match="LAZY_RESCALE_MUST_BE_0_OR_1"):
-        render("flash_attention", SEED.replace(LAZY_RESCALE=2), Variant(64, False))
-    assert SEED.replace(LAZY_RESCALE=1).short_label().endswith(" lz")
-
-
-@pytest.mark.parametrize("config", [PERSISTENT, PERSISTENT.replace(PINGPONG=0, CROSS_TILE=1)], ids=Config.short_label)
+@pytest.mark.parametrize("config", [PERSISTENT, PERSISTENT.replace(PINGPONG=0)], ids=Config.short_label)
 def test_o_tma_stores_o_through_shared_memory_by_a_fourth_map(config: Config) -> None:
     """O_TMA=1 declares tm_o over the output (box 64 x 64, after tm_q, tm_k, tm_v, as the kernel takes
     them), adds the O buffer to the shared memory, and the SASS stores O with UTMASTG from shared
@@ -524,33 +443,10 @@ def test_o_tma_stores_o_through_shared_memory_by_a_fourth_map(config: Config) ->
     assert PERSISTENT.replace(O_TMA=1).short_label() == "ptmao 128x128 st2 r24/240 ovl pp"
 
 
-# -- ping-pong turns carried over work tiles (PINGPONG=2), work tiles from a counter (PERSISTENT=2) --
+# -- work tiles from a counter (PERSISTENT=2) ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", [PERSISTENT.replace(PINGPONG=2), PERSISTENT.replace(PINGPONG=2, O_TMA=1, Q_STAGES=2),
-                                    PERSISTENT.replace(PINGPONG=2, PERSISTENT=2, INTRA_WG_OVERLAP=2, REG_CONSUMER=232)],
-                         ids=Config.short_label)
-def test_carried_ping_pong_opens_its_turns_once_per_cta(config: Config) -> None:
-    """PINGPONG=2: the last warpgroup opens warpgroup 0's turn in the first work tile only, and warpgroup 0
-    takes the final hand-over once, after the last work tile (1: in every work tile). Both compile without
-    spills or serialized wgmma."""
-    carried = render("flash_attention", config, Variant(128, True)).source
-    per_tile = render("flash_attention", config.replace(PINGPONG=1), Variant(128, True)).source
-    assert "if (wg == C - 1 && round == 0) named_arrive(BAR_PINGPONG + 0, 256);" in carried
-    assert "if (wg == C - 1) named_arrive(BAR_PINGPONG + 0, 256);" in per_tile
-    # warpgroup 0's final sync on its own turn's barrier: after the loop over work tiles, or inside it
-    close = "if (wg == 0) named_sync(BAR_PINGPONG + 0, 256);"
-    assert carried.index(close) > carried.index("}   // work tiles") > per_tile.index(close)
-    for source in (carried, per_tile):
-        compiled = compile_source(source, "sm_90a")
-        assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
-    for refused in (SEED.replace(PINGPONG=2), PERSISTENT.replace(PINGPONG=2, CROSS_TILE=1)):
-        with pytest.raises(RenderError, match="PINGPONG_2_REQUIRES_PERSISTENT"):
-            render("flash_attention", refused, Variant(64, False))
-    assert PERSISTENT.replace(PINGPONG=2).short_label() == "ptma 128x128 st2 r24/240 ovl pp2"
-
-
-@pytest.mark.parametrize("config", [PERSISTENT.replace(PERSISTENT=2), PERSISTENT.replace(PERSISTENT=2, PINGPONG=0, O_TMA=1, Q_STAGES=2)],
+@pytest.mark.parametrize("config", [PERSISTENT.replace(PERSISTENT=2), PERSISTENT.replace(PERSISTENT=2, PINGPONG=0, O_TMA=1)],
                          ids=Config.short_label)
 @pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False)])
 def test_a_tile_counter_kernel_declares_its_counter_and_takes_tiles_by_atomics(config: Config, head_dim: int, causal: bool) -> None:
@@ -573,8 +469,6 @@ def test_a_tile_counter_kernel_declares_its_counter_and_takes_tiles_by_atomics(c
         plain = subprocess.run([tool, compile_source(static.source, "sm_90a").cubin_path], capture_output=True,
                                text=True, timeout=120).stdout
         assert not re.search(r"\bATOMG\b", plain)
-    with pytest.raises(RenderError, match="PERSISTENT_2_EXCLUDES_CROSS_TILE"):
-        render("flash_attention", config.replace(CROSS_TILE=1, PINGPONG=1, INTRA_WG_OVERLAP=1), Variant(64, False))
     assert PERSISTENT.replace(PERSISTENT=2, O_TMA=1).short_label() == "dtmao 128x128 st2 r24/240 ovl pp"
 
 
@@ -609,7 +503,6 @@ def test_a_split_tail_kernel_declares_the_workspace_of_its_cut_tiles(head_dim: i
     for rendered in (full, causal):
         compiled = compile_source(rendered.source, "sm_90a")
         assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
-    assert "merge_cut" in full.source and "merge_cut" not in causal.source
     with pytest.raises(RenderError, match="SPLIT_TAIL_REQUIRES_PERSISTENT_2"):
         render("flash_attention", config.replace(PERSISTENT=1), Variant(64, False))
 
@@ -623,55 +516,10 @@ def test_split_tail_2_cuts_a_last_round_up_to_half_full_with_the_same_workspace(
     for head_dim in (64, 128):
         a, b = (render("flash_attention", c, Variant(head_dim, False)) for c in (one, two))
         assert a.launches[0].split_tail == b.launches[0].split_tail is not None
-        assert "8 * r <= G" in a.source and "2 * r <= G" in b.source
     compiled = compile_source(b.source, "sm_90a")
     assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
     with pytest.raises(RenderError, match="SPLIT_TAIL_REQUIRES_PERSISTENT_2"):
         render("flash_attention", one.replace(SPLIT_TAIL=3), Variant(64, False))
-
-
-P_SMEM = PERSISTENT.replace(PERSISTENT=2, O_TMA=1, REG_PRODUCER=32, REG_CONSUMER=232, P_SMEM=1)
-
-
-@pytest.mark.parametrize("config, head_dim", [
-    (P_SMEM, 64), (P_SMEM.replace(BLOCK_N=64, Q_IN_REGS=1, SOFTMAX_PIN=3), 128),
-    (P_SMEM.replace(CONSUMER_WGS=3, BLOCK_M=192, BLOCK_N=192, REG_CONSUMER=160, PINGPONG=0, SOFTMAX_PIN=3), 64)],
-    ids=lambda v: v.short_label() if isinstance(v, Config) else f"D{v}")
-def test_p_smem_feeds_p_v_from_shared_memory_written_by_stmatrix(config: Config, head_dim: int) -> None:
-    """P_SMEM=1: every P V wgmma (N = D) reads A by descriptor, P written by stmatrix (one per 16 keys
-    a tile, in the loop and its first tile); the P tiles (whole 64-key panels a warpgroup) add to the
-    shared memory; 192x192 fits three warpgroups' 160 registers without spilling. Without it, A comes
-    from registers and nothing is stored by stmatrix."""
-    tool = _nvdisasm()
-    if tool is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    pv = rf"HGMMA\.64x{head_dim}x16\.F32 R\d+, (\S+),"
-    found = {}
-    for p_smem in (0, 1):
-        rendered = render("flash_attention", config.replace(P_SMEM=p_smem), Variant(head_dim, False))
-        compiled = compile_source(rendered.source, "sm_90a")
-        assert compiled.ok, compiled.error
-        if not p_smem and config["BLOCK_M"] == 192:   # 192x192 with P in registers spills: what P_SMEM makes room for
-            assert compiled.spill_bytes > 0, compiled.kernels
-        else:
-            assert compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
-        sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
-        found[p_smem] = (re.findall(pv, sass), len(re.findall(r"\bSTSM\.", sass)), rendered.launches[0].smem)
-    (a_regs, stsm0, smem0), (a_smem, stsm1, smem1) = found[0], found[1]
-    assert a_regs and all(a.startswith("R") for a in a_regs) and stsm0 == 0
-    assert a_smem and all(a.startswith("gdesc") for a in a_smem)
-    assert stsm1 >= 2 * config["BLOCK_N"] // 16
-    assert smem1 - smem0 == config["CONSUMER_WGS"] * 8192 * -(-config["BLOCK_N"] // 64)
-
-
-def test_p_smem_is_a_template_parameter_outside_the_space() -> None:
-    assert "P_SMEM" not in SPACE.param_names
-    assert P_SMEM.replace(P_SMEM=0, BLOCK_N=192).short_label() == "dtmao 128x192 st2 r32/232 ovl pp"
-    assert P_SMEM.replace(BLOCK_N=192).short_label() == "dtmao 128x192 st2 r32/232 svl pp"
-    assert P_SMEM.replace(INTRA_WG_OVERLAP=2, Q_IN_REGS=1).short_label() == "dtmao 128x128 st2 r32/232 sq2 pp"
-    assert P_SMEM.replace(INTRA_WG_OVERLAP=0, PINGPONG=0).short_label() == "dtmao 128x128 st2 r32/232 ps"
-    with pytest.raises(RenderError, match="P_SMEM_MUST_BE_0_OR_1_WITHOUT_CROSS_TILE"):
-        render("flash_attention", P_SMEM.replace(PERSISTENT=1, CROSS_TILE=1), Variant(64, False))
 
 
 def test_an_exported_split_tail_kernel_sizes_its_workspace_as_the_launch_says(tmp_path: Path) -> None:
@@ -714,9 +562,8 @@ def test_q_in_regs_feeds_q_k_from_registers_and_reads_k_alone_from_shared_memory
 
 
 def test_q_in_regs_needs_overlap_and_mbarriers_and_no_cross_tile() -> None:
-    for config in (SEED.replace(INTRA_WG_OVERLAP=0, PINGPONG=0), PERSISTENT.replace(CROSS_TILE=1),
+    for config in (SEED.replace(INTRA_WG_OVERLAP=0, PINGPONG=0),
                    NO_PRODUCER.replace(LOAD="cpasync", INTRA_WG_OVERLAP=1)):
         with pytest.raises(RenderError, match="Q_IN_REGS_REQUIRES_INTRA_WG_OVERLAP"):
             render("flash_attention", config.replace(Q_IN_REGS=1), Variant(128, False))
-    assert "wgmma_rs_kmajor" not in render("flash_attention", SEED, Variant(64, False)).source
     assert SEED.replace(Q_IN_REGS=1).short_label() == "tma 128x128 st2 r24/240 ovq pp"

@@ -135,17 +135,13 @@ def label(values: dict[str, Any]) -> None:
 
 def overlap_token(values: dict[str, Any]) -> str:
     """The token for INTRA_WG_OVERLAP 1 or 2 (``ovl``, ``ov2``), with the parameters that need the
-    overlap folded in and popped from ``values``: Q_IN_REGS=1 (``ovq``, ``oq2``), P_SMEM=1 as the
-    first letter (``svl``, ``sq2``: P V reads P from shared memory) and, with overlap 1,
+    overlap folded in and popped from ``values``: Q_IN_REGS=1 (``ovq``, ``oq2``) and, with overlap 1,
     SOFTMAX_PIN's digit (``ovl3``, ``ovq2``)."""
     overlap = values["INTRA_WG_OVERLAP"]
     q_in_regs = values.get("Q_IN_REGS") == 1
     if q_in_regs:
         values.pop("Q_IN_REGS")
     token = ("ovq" if q_in_regs else "ovl") if overlap == 1 else ("oq2" if q_in_regs else "ov2")
-    if values.get("P_SMEM") == 1:
-        values.pop("P_SMEM")
-        token = "s" + token[1:]
     if overlap == 1 and values.get("SOFTMAX_PIN") in (1, 2, 3):
         token += str(values.pop("SOFTMAX_PIN"))
     return token

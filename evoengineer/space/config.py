@@ -66,19 +66,15 @@ class Config(Mapping[str, ParamValue]):
         warpgroup, ``r`` the setmaxnreg pair (producer/consumer, with a producer), ``ovl`` the
         intra-warpgroup overlap (``ov2``: INTRA_WG_OVERLAP=2; ``ovq`` and ``oq2`` the same with
         Q_IN_REGS=1, Q K^T reading Q from registers; ``ovl3``, ``ovq2``: with SOFTMAX_PIN 3 or 2,
-        the part of the softmax held before the wait for P V; ``svl``, ``sq2``: with P_SMEM=1, P V
-        reading P from shared memory, ``ps`` without overlap), ``pp`` ping-pong, ``em`` EXP2_FMA
-        (``em2``: 2 of 8 exponentials on the FMA units), ``qs2`` two Q buffers (Q_STAGES) and
-        ``xt`` CROSS_TILE, ``pin`` SOFTMAX_PIN, ``lz`` LAZY_RESCALE,
-        ``ot`` O_TMA and ``cut`` SPLIT_TAIL (where they are not in the path's name, below);
+        the part of the softmax held before the wait for P V), ``pp`` ping-pong,
+        ``pin`` SOFTMAX_PIN, ``ot`` O_TMA and ``cut`` SPLIT_TAIL (where they are not in the path's name, below);
         with LOAD=tma (loads by the tensor memory accelerator) the path reads
         ``tma`` (``tma 128x128 st2 r24/240 ovl pp``), which keeps the label as short as its cp.async twin's,
         and ``ptma`` with PERSISTENT=1 as well (``ptma 128x176 st2 r24/240 ovl pp``: persistent CTAs),
         ``ptmao`` with O_TMA=1 too (their O stored by TMA); ``dtma`` and ``dtmao`` with PERSISTENT=2
         (persistent CTAs taking their work tiles from a counter), ``stma`` and ``stmao`` with
         SPLIT_TAIL=1 too (a short last round of tiles cut over every CTA), ``htma`` and ``htmao`` with
-        SPLIT_TAIL=2 (a last round up to half full cut). ``pp2`` is PINGPONG=2
-        (the turns carried over work tiles).
+        SPLIT_TAIL=2 (a last round up to half full cut).
         """
         values: dict[str, Any] = dict(self.items_)
         path = paths.PATHS.get(str(values.get("PATH")))
@@ -148,14 +144,9 @@ _SHORT: tuple[tuple[str, str, ParamValue | None], ...] = (
     ("INTRA_WG_OVERLAP", "ovl", 0),
     ("PINGPONG", "pp", 0),
     ("PERSISTENT", "pers", 0),
-    ("EXP2_FMA", "em", 0),
-    ("Q_STAGES", "qs", 1),
-    ("CROSS_TILE", "xt", 0),
     ("SOFTMAX_PIN", "pin", 0),
-    ("LAZY_RESCALE", "lz", 0),
     ("O_TMA", "ot", 0),
     ("SPLIT_TAIL", "cut", 0),
-    ("P_SMEM", "ps", 0),
     ("LOAD", "", "cpasync"),
 )
 

@@ -40,42 +40,21 @@ PERSISTENT = [
 OVERLAP2 = [c.replace(INTRA_WG_OVERLAP=2) for c in (TMA_SEED, PERSISTENT[0], PERSISTENT[1], SEEDS[3].replace(STAGES=3),
                                                     TMA_SEED.replace(PINGPONG=0, PERSISTENT=1, BLOCK_N=192), PERSISTENT[3])]
 CONFIGS = [c for c in SEEDS + NEIGHBOURS + TMA + PERSISTENT + OVERLAP2 if SPACE.contains(c)]
-# EXP2_FMA (a template parameter outside the space): some or all softmax exponentials as FMA-unit polynomials
-EXP2_FMA = [TMA_SEED.replace(EXP2_FMA=8), PERSISTENT[0].replace(EXP2_FMA=2), TMA_SEED.replace(BLOCK_N=192, EXP2_FMA=3)]
-# Q_STAGES (the next work tile's Q a tile ahead) and CROSS_TILE (one stream of K/V slots over a persistent
-# CTA's work tiles): template parameters outside the space too; with ping-pong, without, two Q buffers, three
-# consumer warpgroups
-CROSS_TILE = [
-    PERSISTENT[0].replace(Q_STAGES=2),
-    PERSISTENT[0].replace(CROSS_TILE=1),
-    TMA_SEED.replace(BLOCK_N=192, PINGPONG=0, PERSISTENT=1, CROSS_TILE=1),
-    TMA_SEED.replace(PINGPONG=0, PERSISTENT=1, Q_STAGES=2, CROSS_TILE=1),
-    SEEDS[2].replace(LOAD="tma", PERSISTENT=1, CROSS_TILE=1),
-]
 # SOFTMAX_PIN (the softmax held before the wait for P V by a store of the row sums): with overlap 1
-# and 2, ping-pong or not, persistent or not, CROSS_TILE, three consumer warpgroups
-PINNED = [c.replace(SOFTMAX_PIN=1) for c in (TMA_SEED, PERSISTENT[0], OVERLAP2[0], OVERLAP2[4], CROSS_TILE[1],
+# and 2, ping-pong or not, persistent or not, three consumer warpgroups
+PINNED = [c.replace(SOFTMAX_PIN=1) for c in (TMA_SEED, PERSISTENT[0], OVERLAP2[0], OVERLAP2[4],
                                              TMA_SEED.replace(BLOCK_N=176, PINGPONG=0), SEEDS[2].replace(LOAD="tma"))]
-# LAZY_RESCALE (a row's maximum moves only by more than 2^8; warps whose rows kept theirs skip the rescale
-# of O): ping-pong or not, persistent, overlap 2, CROSS_TILE, no producer, three consumer warpgroups
-LAZY = [c.replace(LAZY_RESCALE=1) for c in (TMA_SEED, PERSISTENT[0], OVERLAP2[1], CROSS_TILE[1], NEIGHBOURS[1],
-                                            SEEDS[2].replace(LOAD="tma"))]
-# O_TMA (O through shared memory and a TMA store): ping-pong or not, CROSS_TILE, overlap 2, lazy rescale,
-# three consumer warpgroups
-O_TMA = [c.replace(O_TMA=1) for c in (PERSISTENT[0], TMA_SEED.replace(PINGPONG=0, PERSISTENT=1), CROSS_TILE[1], OVERLAP2[1],
-                                      LAZY[1], PERSISTENT[3])]
-# PINGPONG=2 (the turns carried over work tiles) and PERSISTENT=2 (work tiles from a counter, causal ones
-# longest first over head groups): values outside the space; with O_TMA, two Q buffers (two tile slots),
-# overlap 2, without ping-pong, three consumer warpgroups
-CARRIED = [c.replace(PINGPONG=2) for c in (PERSISTENT[0], O_TMA[0], OVERLAP2[1], CROSS_TILE[0])] + [
-    SEEDS[2].replace(LOAD="tma", PERSISTENT=1, PINGPONG=2)]
-DYNAMIC = [c.replace(PERSISTENT=2) for c in (PERSISTENT[0], O_TMA[1], CARRIED[1], CROSS_TILE[0], OVERLAP2[4], PERSISTENT[3],
-                                             CARRIED[4])]
+# O_TMA (O through shared memory and a TMA store): ping-pong or not, overlap 2, three consumer warpgroups
+O_TMA = [c.replace(O_TMA=1) for c in (PERSISTENT[0], TMA_SEED.replace(PINGPONG=0, PERSISTENT=1), OVERLAP2[1], PERSISTENT[3])]
+# PERSISTENT=2 (work tiles from a counter, causal ones longest first over head groups): with O_TMA, overlap 2,
+# without ping-pong, three consumer warpgroups
+DYNAMIC = [c.replace(PERSISTENT=2) for c in (PERSISTENT[0], O_TMA[1], O_TMA[0], OVERLAP2[4], PERSISTENT[3],
+                                             SEEDS[2].replace(LOAD="tma", PERSISTENT=1))]
 # Q_IN_REGS (Q K^T reads Q's A fragments from registers, the Q buffer given back at once): ping-pong or not,
-# persistent (both kinds, two Q buffers, carried turns), overlap 1 and 2, O by TMA, a cp.async producer,
-# TMA without a producer (128x192 at D128 spills with it: its scores and P leave no room for Q)
-Q_IN_REGS = [c.replace(Q_IN_REGS=1) for c in (TMA_SEED, PERSISTENT[0], OVERLAP2[1], O_TMA[1], DYNAMIC[1], CARRIED[1],
-                                        CROSS_TILE[0].replace(PERSISTENT=2), NEIGHBOURS[0],
+# persistent (both kinds), overlap 1 and 2, O by TMA, a cp.async producer, TMA without a producer (128x192 at
+# D128 spills with it: its scores and P leave no room for Q)
+Q_IN_REGS = [c.replace(Q_IN_REGS=1) for c in (TMA_SEED, PERSISTENT[0], OVERLAP2[1], O_TMA[1], DYNAMIC[1],
+                                        PERSISTENT[0].replace(PERSISTENT=2), NEIGHBOURS[0],
                                         TMA_SEED.replace(PRODUCER=0, REG_PRODUCER=0, REG_CONSUMER=0, PINGPONG=0, STAGES=3))]
 # ... plus 80 heads of 2048 keys: persistent CTAs run ten rounds of work tiles, the last one partial
 # (causal: in reverse, the snake order's odd round)
@@ -98,7 +77,7 @@ def _kernel(config: Config, variant: Variant):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", CONFIGS + EXP2_FMA + CROSS_TILE + PINNED + LAZY + O_TMA + CARRIED + DYNAMIC + Q_IN_REGS,
+@pytest.mark.parametrize("config", CONFIGS + PINNED + O_TMA + DYNAMIC + Q_IN_REGS,
                          ids=Config.label)
 def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
     from evoengineer.gpu.evaluate import gate_launcher
@@ -112,10 +91,10 @@ def test_wgmma_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("config", [TMA_SEED, LAZY[0], LAZY[1], LAZY[2], LAZY[3]], ids=Config.short_label)
+@pytest.mark.parametrize("config", [TMA_SEED, PERSISTENT[0], OVERLAP2[1], NEIGHBOURS[1]], ids=Config.short_label)
 def test_a_row_maximum_that_keeps_growing_is_followed(config: Config, causal: bool, head_dim: int) -> None:
-    """Scores that rise along the keys by about 90 (log2 units) over a row, so its maximum moves past
-    LAZY_RESCALE's slack of 2^8 tile after tile, and O is rescaled many times; against fp32 SDPA."""
+    """Scores that rise along the keys by about 90 (log2 units) over a row, so its maximum moves
+    tile after tile and O is rescaled many times; against fp32 SDPA."""
     import torch
     import torch.nn.functional as F
 
@@ -135,8 +114,8 @@ def test_a_row_maximum_that_keeps_growing_is_followed(config: Config, causal: bo
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), PERSISTENT[0], CROSS_TILE[-2], PINNED[1],
-                                    O_TMA[0], O_TMA[2], CARRIED[1], DYNAMIC[0], DYNAMIC[2]],
+@pytest.mark.parametrize("config", [SEEDS[0], TMA_SEED, NEIGHBOURS[1].replace(LOAD="tma"), PERSISTENT[0], PINNED[1],
+                                    O_TMA[0], O_TMA[2], DYNAMIC[0], DYNAMIC[2]],
                          ids=Config.short_label)
 def test_query_and_key_lengths_may_differ_and_kv_heads_may_be_grouped(config: Config, causal: bool, head_dim: int) -> None:
     import torch
@@ -232,12 +211,12 @@ def test_an_exported_wgmma_configuration_runs_through_the_module(tmp_path: Path,
 
 
 # SPLIT_TAIL (the last round's tiles cut over every CTA, full attention): the dtmao seed (ping-pong, O by
-# TMA), O from registers, overlap 2 with two Q buffers, without ping-pong, three consumer warpgroups, lazy rescale
+# TMA), O from registers, overlap 2, without ping-pong, three consumer warpgroups
 DTMAO = next(c for c in SPACE.search.seeds if c.get("PERSISTENT") == 2 and c.get("O_TMA") == 1)
 SPLIT_TAIL = [c.replace(SPLIT_TAIL=1) for c in (
-    DTMAO, DTMAO.replace(O_TMA=0), DTMAO.replace(INTRA_WG_OVERLAP=2, Q_STAGES=2),
+    DTMAO, DTMAO.replace(O_TMA=0), DTMAO.replace(INTRA_WG_OVERLAP=2),
     DTMAO.replace(PINGPONG=0, O_TMA=0),
-    DYNAMIC[5], DTMAO.replace(LAZY_RESCALE=1), DTMAO.replace(Q_IN_REGS=1), DTMAO.replace(BLOCK_N=160))] + [
+    DYNAMIC[4], DTMAO.replace(Q_IN_REGS=1), DTMAO.replace(BLOCK_N=160))] + [
     # SPLIT_TAIL=2 (a last round up to half full cut too): the seed, Q in registers with pin 3, and the
     # three consumer warpgroups of D64 with pin 3
     c.replace(SPLIT_TAIL=2) for c in (DTMAO, DTMAO.replace(Q_IN_REGS=1, SOFTMAX_PIN=3))]
@@ -253,15 +232,15 @@ BLOCK_N_160 = [DTMAO.replace(BLOCK_N=160), DTMAO.replace(BLOCK_N=160, REG_PRODUC
 
 # SOFTMAX_PIN 2 and 3 (the row maximum, or it and half the exponentials, held before the wait for P V):
 # the seeds that take them, Q in registers and not, SPLIT_TAIL, persistent or not, ping-pong or not,
-# CROSS_TILE, three consumer warpgroups (and the seed with three from the counter)
+# three consumer warpgroups (and the seed with three from the counter)
 PIN_MAX = [c.replace(SOFTMAX_PIN=pin) for pin in (2, 3) for c in (
-    DTMAO.replace(Q_IN_REGS=1), SPLIT_TAIL[6], O_TMA[0].replace(Q_IN_REGS=1, REG_CONSUMER=232), PERSISTENT[0], TMA_SEED,
-    TMA_SEED.replace(PINGPONG=0, PERSISTENT=1), CROSS_TILE[1], SEEDS[2].replace(LOAD="tma"))] + [
+    DTMAO.replace(Q_IN_REGS=1), SPLIT_TAIL[5], O_TMA[0].replace(Q_IN_REGS=1, REG_CONSUMER=232), PERSISTENT[0], TMA_SEED,
+    TMA_SEED.replace(PINGPONG=0, PERSISTENT=1), SEEDS[2].replace(LOAD="tma"))] + [
     next(c for c in SPACE.search.seeds if c["CONSUMER_WGS"] == 3 and c.get("SOFTMAX_PIN"))]
 
 
 def test_the_block_n_160_configurations_are_in_the_space() -> None:
-    assert all(SPACE.contains(c) for c in BLOCK_N_160 + SPLIT_TAIL[7:])
+    assert all(SPACE.contains(c) for c in BLOCK_N_160 + SPLIT_TAIL[6:])
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -276,30 +255,6 @@ def test_block_n_160_matches_sdpa(config: Config, causal: bool, head_dim: int) -
 @pytest.mark.parametrize("config", PIN_MAX, ids=Config.short_label)
 def test_softmax_pin_2_and_3_match_sdpa(config: Config, causal: bool, head_dim: int) -> None:
     test_wgmma_matches_sdpa(config, causal, head_dim)
-
-
-# P_SMEM (P V reads P from shared memory, written by stmatrix; a template parameter outside the space): on the 128-key seeds at D64 and D128 (ping-pong,
-# Q in registers with pin 3, a cut tail, overlap 2, persistent without the counter), and at D64 on the tiles of
-# three consumer warpgroups it makes room for (192x192 and 192x176 without ping-pong, 192x160 with it)
-P_SMEM = [DTMAO.replace(P_SMEM=1), DTMAO.replace(P_SMEM=1, Q_IN_REGS=1, SOFTMAX_PIN=3), DTMAO.replace(P_SMEM=1, SPLIT_TAIL=1),
-          DTMAO.replace(P_SMEM=1, INTRA_WG_OVERLAP=2, PINGPONG=0), TMA_SEED.replace(P_SMEM=1, PERSISTENT=1)]
-D3 = DTMAO.replace(CONSUMER_WGS=3, BLOCK_M=192, REG_CONSUMER=160, P_SMEM=1)
-P_SMEM_D64 = [D3.replace(BLOCK_N=192, PINGPONG=0, SOFTMAX_PIN=3), D3.replace(BLOCK_N=192, PINGPONG=0, INTRA_WG_OVERLAP=2),
-              D3.replace(BLOCK_N=176, PINGPONG=0, REG_PRODUCER=24), D3.replace(BLOCK_N=160, SOFTMAX_PIN=2),
-              D3.replace(SPLIT_TAIL=1, SOFTMAX_PIN=3)]
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", P_SMEM, ids=Config.short_label)
-def test_p_from_shared_memory_matches_sdpa(config: Config, causal: bool, head_dim: int) -> None:
-    test_wgmma_matches_sdpa(config, causal, head_dim)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", P_SMEM_D64, ids=Config.short_label)
-def test_p_from_shared_memory_on_three_warpgroups_matches_sdpa(config: Config, causal: bool) -> None:
-    test_wgmma_matches_sdpa(config, causal, 64)
 
 
 def split_shapes(sms: int, rows: int, fuller: bool = False) -> list[tuple[int, int, int, int, int]]:

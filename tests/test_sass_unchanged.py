@@ -1,0 +1,191 @@
+"""The templates compile to the same machine code as those of a base revision.
+
+For every listed seed of every built-in space (at each of its dtypes and head dims, full and
+causal) and a fixed sample of 200 wgmma configurations of the h100 space, the kernel is rendered
+from the base revision's templates (``git show``) and from the working tree's, both are compiled
+by NVRTC for sm_90a and their SASS (``nvdisasm``) is compared. A rewrite of a template that only
+moves code must leave every kernel's SASS as it was; where it does not, the failure lists the
+configurations and what differs, for an A/B on a GPU.
+
+Slow (hundreds of compiles; the compile cache makes a rerun cheap): ``pytest -m slow``.
+Set ``EVOENGINEER_SASS_BASE`` to compare against another revision, ``EVOENGINEER_SASS_REPORT``
+to a path to get the comparison as JSON.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from evoengineer.kernels import RenderError, compile_many, render
+from evoengineer.resources import builtin_spaces
+from evoengineer.space import Config, Variant, load_space
+
+REPO = Path(__file__).resolve().parent.parent
+BASE_REVISION = os.environ.get("EVOENGINEER_SASS_BASE", "fb5a84c")
+"""The revision before the wgmma template was split along its roles."""
+ARCH = "sm_90a"
+SAMPLE_SIZE, SAMPLE_SEED = 200, 32
+REMOVED = {"CROSS_TILE": 0, "LAZY_RESCALE": 0, "EXP2_FMA": 0, "P_SMEM": 0, "Q_STAGES": 1}
+"""Template parameters the base revision took and the working tree no longer does (their
+defaults: what the working tree does), besides PINGPONG 2."""
+
+pytestmark = pytest.mark.slow
+
+
+def nvdisasm() -> str | None:
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    return next((str(c) for root in map(Path, nvidia.__path__) for c in root.glob("*/bin/nvdisasm")), None)
+
+
+def base_templates(revision: str, into: Path) -> Path | None:
+    """The revision's ``templates/`` written to ``into`` (None without git or that revision)."""
+    try:
+        names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:templates"], cwd=REPO,
+                               capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if names.returncode != 0 or not names.stdout.strip():
+        return None
+    into.mkdir(parents=True, exist_ok=True)
+    for name in names.stdout.split():
+        if name.endswith(".j2"):
+            shown = subprocess.run(["git", "show", f"{revision}:templates/{name}"], cwd=REPO, capture_output=True, timeout=60)
+            if shown.returncode != 0:
+                return None
+            (into / name).write_bytes(shown.stdout)
+    return into
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kernel to compare: where it comes from, its configuration and variant."""
+
+    origin: str
+    config: Config
+    variant: Variant
+
+    @property
+    def label(self) -> str:
+        return f"{self.origin}: {self.config.short_label()} {self.variant.label()} [{self.config.label()}]"
+
+
+def _uses_removed(config: Config) -> bool:
+    return any(config.get(name, default) != default for name, default in REMOVED.items()) or config.get("PINGPONG") == 2
+
+
+def cases() -> list[Case]:
+    """Every listed seed of every built-in space at each dtype x head dim x {full, causal}, then a
+    fixed sample of the h100 space's wgmma configurations, each at a variant drawn with it."""
+    out: list[Case] = []
+    for name, path in builtin_spaces().items():
+        space = load_space(path)
+        dtypes = sorted({v.dtype for v in space.variants})
+        dims = sorted({v.head_dim for v in space.variants})
+        for seed in space.search.listed_seeds:
+            out += [Case(f"{name} seed", seed, Variant(d, causal, dtype)) for dtype in dtypes for d in dims for causal in (False, True)]
+    h100 = load_space("h100")
+    wgmma = [c for c in h100.valid_configs() if c["PATH"] == "wgmma" and not _uses_removed(c)]
+    rng = random.Random(SAMPLE_SEED)
+    variants = [Variant(v.head_dim, causal, v.dtype) for v in h100.variants for causal in (False, True)]
+    variants = list(dict.fromkeys(variants))
+    for config in rng.sample(wgmma, min(SAMPLE_SIZE, len(wgmma))):
+        out.append(Case("h100 sample", config, rng.choice(variants)))
+    return out
+
+
+def _render(config: Config, variant: Variant, directory: Path | None):
+    try:
+        return render("flash_attention", config, variant, directory=directory)
+    except RenderError as exc:
+        return str(exc).split(": ", 1)[-1]
+
+
+def _opcodes(sass: str) -> collections.Counter:
+    return collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
+
+
+def difference(old_sass: str, new_sass: str, old_regs: int, new_regs: int) -> str:
+    """What differs between two kernels' SASS, in a line: registers, instructions, opcodes."""
+    a, b = _opcodes(old_sass), _opcodes(new_sass)
+    moved = {op: b[op] - a[op] for op in set(a) | set(b) if a[op] != b[op]}
+    parts = [f"registers {old_regs} -> {new_regs}" if old_regs != new_regs else f"registers {new_regs}",
+             f"instructions {sum(a.values())} -> {sum(b.values())}"]
+    if moved:
+        parts.append("opcodes " + ", ".join(f"{op} {n:+d}" for op, n in sorted(moved.items())[:12]))
+    else:
+        parts.append("same opcodes, another order or other operands")
+    return "; ".join(parts)
+
+
+def compare(all_cases: list[Case], base: Path, tool: str) -> dict[str, list]:
+    """Each case as identical (same source or same SASS), refused alike, or different (with why)."""
+    result: dict[str, list] = {"identical": [], "refused": [], "different": []}
+    pending: list[tuple[Case, object, object]] = []
+    for case in all_cases:
+        old, new = _render(case.config, case.variant, base), _render(case.config, case.variant, None)
+        if isinstance(old, str) or isinstance(new, str):
+            if isinstance(old, str) and isinstance(new, str):
+                result["refused"].append(case.label)
+            else:
+                result["different"].append((case.label, f"render: base {old if isinstance(old, str) else 'ok'}, "
+                                                         f"now {new if isinstance(new, str) else 'ok'}"))
+            continue
+        if (old.launches, old.tensor_maps, old.workspace_floats_per_row) != (new.launches, new.tensor_maps, new.workspace_floats_per_row):
+            result["different"].append((case.label, f"launch: base {old.launches} {old.tensor_maps}, now {new.launches} {new.tensor_maps}"))
+            continue
+        if old.source == new.source:
+            result["identical"].append(case.label)
+            continue
+        pending.append((case, old, new))
+    sources = list(dict.fromkeys(s for _, old, new in pending for s in (old.source, new.source)))
+    compiled = dict(zip(sources, compile_many(sources, ARCH, workers=int(os.environ.get("EVOENGINEER_SASS_WORKERS", "2")))))
+    sass: dict[str, str] = {}
+
+    def disassemble(source: str) -> str:
+        if source not in sass:
+            done = compiled[source]
+            sass[source] = subprocess.run([tool, done.cubin_path], capture_output=True, text=True, timeout=300).stdout if done.ok \
+                else f"compile error: {done.error}"
+        return sass[source]
+
+    for case, old, new in pending:
+        a, b = disassemble(old.source), disassemble(new.source)
+        if a == b:
+            result["identical"].append(case.label)
+        else:
+            why = difference(a, b, compiled[old.source].registers, compiled[new.source].registers) \
+                if compiled[old.source].ok and compiled[new.source].ok else f"base: {a[:200]}; now: {b[:200]}"
+            result["different"].append((case.label, why))
+    return result
+
+
+def test_every_seed_and_a_sample_of_wgmma_configurations_compile_to_the_base_revisions_sass(tmp_path: Path) -> None:
+    tool = nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    base = base_templates(BASE_REVISION, tmp_path / "base")
+    if base is None:
+        pytest.skip(f"git history without revision {BASE_REVISION}")
+    all_cases = cases()
+    result = compare(all_cases, base, tool)
+    report = os.environ.get("EVOENGINEER_SASS_REPORT")
+    if report:
+        Path(report).write_text(json.dumps({"base": BASE_REVISION, "compared": len(all_cases),
+                                            **{k: len(v) for k, v in result.items()}, "details": result}, indent=1))
+    assert len(result["identical"]) + len(result["refused"]) + len(result["different"]) == len(all_cases)
+    assert not result["different"], "\n".join(f"{label}: {why}" for label, why in result["different"])
