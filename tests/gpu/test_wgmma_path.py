@@ -236,7 +236,7 @@ BLOCK_N_160 = [DTMAO.replace(BLOCK_N=160), DTMAO.replace(BLOCK_N=160, REG_PRODUC
 PIN_MAX = [c.replace(SOFTMAX_PIN=pin) for pin in (2, 3) for c in (
     DTMAO.replace(Q_IN_REGS=1), SPLIT_TAIL[5], O_TMA[0].replace(Q_IN_REGS=1, REG_CONSUMER=232), PERSISTENT[0], TMA_SEED,
     TMA_SEED.replace(PINGPONG=0, PERSISTENT=1), SEEDS[2].replace(LOAD="tma"))] + [
-    next(c for c in SPACE.search.seeds if c["CONSUMER_WGS"] == 3 and c.get("SOFTMAX_PIN"))]
+    next(c for c in SPACE.search.seeds if c.get("CONSUMER_WGS") == 3 and c.get("SOFTMAX_PIN"))]
 
 
 def test_the_block_n_160_configurations_are_in_the_space() -> None:
