@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..space import SpaceError
+    from ..space import ExpressionError, SpaceError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -57,6 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (SpaceError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ExpressionError as exc:  # a constraint that fails on values the load-time probe did not reach
+        print(f"error: constraint {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -27,7 +27,7 @@ import sqlalchemy.exc
 
 from ..gpu import STATUSES, EvalResult
 from ..kernels import StaticReport, build_config_job
-from ..space import Config, Space
+from ..space import Config, Space, path_component
 from .ledger import Ledger
 from .strategies import make_sampler, suggest_config
 from .study import (
@@ -58,7 +58,7 @@ class RunDir:
     @classmethod
     def create(cls, root: Path, space: Space) -> "RunDir":
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = root / f"{stamp}-{space.name}-{secrets.token_hex(3)}"
+        path = root / f"{stamp}-{path_component(space.name)}-{secrets.token_hex(3)}"
         (path / "sources").mkdir(parents=True)
         shutil.copyfile(space.path, path / "space.yaml")
         return cls(path)
