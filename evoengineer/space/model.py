@@ -451,8 +451,9 @@ whole subtree, so a few nested ones ("billion laughs") would otherwise stand for
 def _load_yaml(text: str, display: str) -> Any:
     """``yaml.safe_load`` of a space's text, refusing documents whose aliases expand past
     ``MAX_YAML_NODES`` nodes or whose nesting exhausts the parser."""
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)
         node = loader.get_single_node()
         if node is None:
             return None
@@ -467,7 +468,8 @@ def _load_yaml(text: str, display: str) -> Any:
     except (RecursionError, MemoryError):
         raise SpaceError(display, "", "malformed YAML: nested too deeply") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def _count_nodes(root: yaml.Node, display: str) -> None:
