@@ -69,16 +69,19 @@ def writing(path: Path) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        raise RunFileError(f"{path}: cannot write: {describe_os_error(exc)}") from None
+        raise RunFileError(f"{path}: cannot write: {describe_os_error(exc, run=True)}") from None
 
 
-def describe_os_error(exc: OSError) -> str:
-    """The reason of an ``OSError`` in words, with what to do for a full disk or a read-only place."""
+def describe_os_error(exc: OSError, run: bool = False) -> str:
+    """The reason of an ``OSError`` in words, with what to do for a full disk or a read-only
+    place (``run``: the place is a run directory, which --resume continues)."""
     reason = exc.strerror or str(exc)
     if exc.errno == errno.ENOSPC or exc.errno == errno.EDQUOT:
-        return f"{reason} (the disk is full: free space, then --resume continues the run)"
+        return f"{reason} (the disk is full{': free space, then --resume continues the run' if run else ''})"
     if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return f"{reason} (the run directory is not writable: copy the run somewhere writable to continue it)"
+        where = "the run directory is not writable: copy the run somewhere writable to continue it" if run else \
+            "a read-only file system, or no permission"
+        return f"{reason} ({where})"
     return reason
 
 
@@ -799,6 +802,8 @@ def check_records(run: RunDir) -> str:
             raise RunFileError(f"{results}: its last line is cut (a search killed while writing it) and the run's study "
                                f"{file} is missing: its records are incomplete")
         return f"note: the run's study {file} is missing; {results.name} was not checked against it"
+    if file is not None and not os.access(file.parent, os.W_OK) and not file.with_name(file.name + "-wal").exists():
+        url = f"sqlite:///file:{file}?mode=ro&immutable=1&uri=true"  # a read-only run: SQLite may not even create its lock file
     try:
         storage = make_storage(url, None)
         study_id = storage.get_study_id_from_name(name)
