@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from typing import Sequence
 
 from .. import __version__
 from . import ab_commands, gpu_commands, results_commands, search_commands, space_commands
 from .common import EXIT_USAGE, UsageError
+
+_FILE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 # -- parser ------------------------------------------------------------------------
 
@@ -47,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..space import SpaceError
+    from ..search import RunFileError, storage_error
+    from ..search.loop import describe_os_error
+    from ..space import ExpressionError, SpaceError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -58,6 +63,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (SpaceError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ExpressionError as exc:  # a constraint that fails on values the load-time probe did not reach
+        print(f"error: constraint {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except RunFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:  # a file outside the run's own (an export, a report): full disk, read-only place
+        if exc.errno not in _FILE_ERRNOS:
+            raise
+        print(f"error: {exc.filename or 'a file'}: {describe_os_error(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:
+        message = storage_error(exc)
+        if not message:
+            raise
+        print(f"error: the study's storage: {message}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -17,6 +18,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
         return _per_shape(args)
     if len(args.run) > 1:
         raise UsageError("leaderboard: one run at a time (several runs only with --per-shape)")
+    _check_runs([run_path(args.run[0])])
     board = load_leaderboard(run_path(args.run[0]), args.top)
     if args.json:
         print(json.dumps(board))
@@ -30,6 +32,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
 def _per_shape(args: argparse.Namespace) -> int:
     from ..results import ExportError, config_legend, per_shape_table, per_shape_winners
 
+    _check_runs([run_path(r) for r in args.run])
     try:
         per = per_shape_winners([run_path(r) for r in args.run])
     except ExportError as exc:
@@ -50,11 +53,23 @@ def _per_shape(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_runs(paths: list[Path]) -> None:
+    """Each run's results.jsonl agrees with its study (else one line, exit 2); a run whose
+    study cannot be consulted gets a note on stderr."""
+    from ..search import RunDir, check_records
+
+    for path in paths:
+        note = check_records(RunDir.open(path))
+        if note:
+            print(note, file=sys.stderr)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from ..results import ExportError, export_entry, export_runs, load_leaderboard
     from ..results.export_backward import backward_choice
 
     runs = [run_path(r) for r in args.run]
+    _check_runs(runs)
     try:
         if args.no_backward and args.backward:
             raise UsageError("--backward and --no-backward: give one of them")

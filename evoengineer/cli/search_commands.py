@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,18 +17,24 @@ from ..gpu import EvalResult, fastest_sdpa
 from ..kernels import arch_for_device
 from ..search import (
     DEFAULT_HEARTBEAT_S,
+    DEFAULT_STORAGE,
     GRACE_BEATS,
+    RUN_META,
     ReplayCandidates,
     RunDir,
+    RunFileError,
     SearchStats,
     best_results,
     geomean,
+    link_run,
     open_study,
     recover_interrupted,
     run_search,
+    study_problem,
 )
+from ..search.loop import writing
 from ..space import STRATEGIES, Space, parse_duration
-from .common import EXIT_FAILED, EXIT_OK, WIDE_HELP, UsageError, load_space, require_gpu, restrict_shapes
+from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, WIDE_HELP, UsageError, load_space, require_gpu, restrict_shapes
 
 DEFAULT_RUNS = Path("runs")
 
@@ -35,6 +44,51 @@ def _latest_run(root: Path, space: Space) -> Path:
     if not runs:
         raise UsageError(f"--resume: no run of space {space.name!r} under {root}/; give --run-dir")
     return runs[-1]
+
+
+def _check_recorded(run: RunDir, meta: dict) -> None:
+    """The settings a resume takes from run.json are there and of the right type."""
+    where = run.path / RUN_META
+    for key, kinds, what in (("strategy", (str,), "a strategy name"), ("storage", (str,), "a storage URL"),
+                             ("trials", (int,), "an evaluation budget")):
+        value = meta.get(key)
+        if not isinstance(value, kinds) or isinstance(value, bool) or (key == "trials" and value < 1):
+            raise RunFileError(f"{where}: {key!r} is {'missing' if value is None else repr(value)[:40]}, expected {what}")
+    if meta["strategy"] not in STRATEGIES:
+        raise RunFileError(f"{where}: 'strategy' is {meta['strategy'][:40]!r}, expected one of {', '.join(STRATEGIES)}")
+    for key in ("time_s", "top_k", "seed"):
+        value = meta.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise RunFileError(f"{where}: {key!r} is {repr(value)[:40]}, expected a number")
+
+
+def _recorded_storage(url: str) -> str:
+    """``--storage`` as run.json records it: a relative SQLite path made absolute (relative
+    SQLite paths in run.json mean the run directory)."""
+    prefix = "sqlite:///"
+    if url.startswith(prefix) and not url.startswith(prefix + "/") and ":memory:" not in url and not url[len(prefix):].startswith("file:"):
+        return prefix + str(Path(url[len(prefix):]).resolve())
+    return url
+
+
+def _apply_resume_flags(args: argparse.Namespace, meta: dict, time_flag: float | None, run: RunDir, console: Console) -> None:
+    """A resumed run continues with its recorded settings; a flag given with --resume that
+    differs replaces its setting (recorded for later resumes), one line each."""
+    def apply(flag: str, key: str, value: Any, shown: Any = None) -> None:
+        if value is None or value == meta.get(key):
+            return
+        console.print(f"resume: {flag} {shown if shown is not None else value} replaces the run's "
+                      f"{meta.get(key) if meta.get(key) is not None else 'none'}", soft_wrap=True)
+        meta[key] = value
+
+    apply("--trials", "trials", args.trials)
+    apply("--time", "time_s", time_flag, args.time)
+    apply("--top-k", "top_k", args.top_k)
+    apply("--strategy", "strategy", args.strategy)
+    apply("--seed", "seed", args.seed)
+    apply("--study", "study_name", args.study)
+    if args.storage and run.storage_url(_recorded_storage(args.storage)) != run.storage_url(meta["storage"]):
+        apply("--storage", "storage", _recorded_storage(args.storage), args.storage)
 
 
 def _parse_devices(args: argparse.Namespace) -> list[int]:
@@ -69,42 +123,59 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise UsageError(f"--heartbeat: expected a whole number of seconds >= 1, got {args.heartbeat}")
     console = Console(highlight=False, stderr=args.json)  # with --json, stdout holds only the JSON
     try:
-        time_s = parse_duration(args.time) if args.time else space.search.time_s
+        time_flag = parse_duration(args.time) if args.time else None
     except ValueError as exc:
         raise UsageError(f"--time: {exc}") from None
-    trials = args.trials or space.search.budget
-    top_k = args.top_k or space.search.top_k
 
     # -- where results go ---------------------------------------------------------
     if args.resume:
         path = Path(args.run_dir) if args.run_dir else _latest_run(DEFAULT_RUNS, space)
         if not (path / "run.json").exists():
             raise UsageError(f"--resume: {path} is not a run directory (no run.json)")
-        run = RunDir(path)
+        run = RunDir.open(path)
         meta = run.meta()
-        strategy, seed, storage = meta["strategy"], meta["seed"], meta["storage"]
+        _check_recorded(run, meta)
+        if not os.access(run.path, os.W_OK):
+            raise RunFileError(f"{run.path}: the run directory is not writable (a read-only file system or its "
+                               "permissions); copy the run somewhere writable to resume it")
         if args.shape and sorted(args.shape) != sorted(meta.get("shapes") or []):
             raise UsageError(f"--resume: the run in {path} searched shapes {meta.get('shapes') or 'all'}; resume it without --shape")
         if args.add_shape and sorted(args.add_shape) != sorted(meta.get("added_shapes") or []):
             raise UsageError(f"--resume: the run in {path} added shapes {meta.get('added_shapes') or 'none'}; "
                              "resume it without --add-shape")
         space = restrict_shapes(space, meta.get("shapes"), meta.get("added_shapes"))
+        _apply_resume_flags(args, meta, time_flag, run, console)
+        strategy, seed, trials = meta["strategy"], meta.get("seed") or 0, meta["trials"]
+        time_s, top_k = meta.get("time_s"), meta.get("top_k") or space.search.top_k
+        storage = run.storage_url(meta["storage"])
+        records, _ = run.read_results()  # a damaged record stops the resume here, before any evaluation
+        problem = study_problem(storage, meta.get("study_name") or run.name, meta.get("run_id"), run.sqlite_file(storage),
+                                len(records), bool(meta.get("study_linked")))
+        if problem:
+            raise UsageError(f"--resume: {problem}")
+        meta.setdefault("run_id", uuid.uuid4().hex)
+        meta.setdefault("run_name", run.name)
     else:
         space = restrict_shapes(space, args.shape, args.add_shape)
-        strategy, seed = args.strategy or space.search.strategy, args.seed
+        strategy, seed = args.strategy or space.search.strategy, args.seed or 0
+        trials, time_s = args.trials or space.search.budget, time_flag or space.search.time_s
+        top_k = args.top_k or space.search.top_k
         if args.run_dir:
             path = Path(args.run_dir)
             if (path / "run.json").exists():
                 raise UsageError(f"--run-dir: {path} already holds a run; add --resume to continue it")
-            path.mkdir(parents=True, exist_ok=True)
-            (path / "sources").mkdir(exist_ok=True)
-            (path / "space.yaml").write_text(space.source_text())
+            with writing(path):
+                path.mkdir(parents=True, exist_ok=True)
+                (path / "sources").mkdir(exist_ok=True)
+                (path / "space.yaml").write_text(space.source_text())
             run = RunDir(path)
         else:
             run = RunDir.create(DEFAULT_RUNS, space)
-        storage = args.storage or run.default_storage()
-        meta = {"space": space.name, "space_path": str(space.path), "strategy": strategy, "seed": seed, "storage": storage,
-                "study_name": args.study or run.path.name, "trials": trials, "time_s": time_s, "top_k": top_k,
+        recorded_storage = _recorded_storage(args.storage) if args.storage else DEFAULT_STORAGE
+        storage = run.storage_url(recorded_storage)
+        meta = {"space": space.name, "space_path": str(space.path), "strategy": strategy, "seed": seed,
+                "storage": recorded_storage, "study_name": args.study or run.name, "run_id": uuid.uuid4().hex,
+                "run_name": run.name, "trials": trials, "time_s": time_s, "top_k": top_k,
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replay": str(args.replay) if args.replay else None,
                 "shapes": args.shape or None, "added_shapes": args.add_shape or None}
 
@@ -158,6 +229,10 @@ def cmd_search(args: argparse.Namespace) -> int:
     meta["heartbeat_s"] = heartbeat
     study = open_study(space, run, strategy=strategy, seed=seed, storage=storage, study_name=meta["study_name"],
                        resume=bool(args.resume or args.study), heartbeat_s=heartbeat)
+    link_run(study, meta["run_id"], run.name)
+    if not meta.get("study_linked"):
+        meta["study_linked"] = True
+        run.write_meta(meta)
     if args.resume:
         recovered = recover_interrupted(study, run, space)
         if recovered:
@@ -170,7 +245,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                   + (f" or {time_s / 60:.1f} min" if time_s else "") + f"  on {on}")
     console.print(f"study: {storage}  (optuna-dashboard {storage})")
 
-    done_before = sum(1 for r in run.results())
+    done_before = len(run.results())
     with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[best]}"), TextColumn("{task.fields[counts]}"), console=console,
                   disable=args.quiet or args.json) as progress:
@@ -235,26 +310,32 @@ def _finalize(run: RunDir, space: Space, evaluator: Any, finalists: list[dict], 
 
 def cmd_runs(args: argparse.Namespace) -> int:
     root = Path(args.root)
-    rows = []
+    rows, damaged = [], 0
     for path in sorted(root.glob("*/run.json")):
-        meta = json.loads(path.read_text())
         run = RunDir(path.parent)
-        results = run.results()
+        try:
+            meta = run.meta()
+            results = run.results()
+        except RunFileError as exc:  # listed on stderr, one line each; the other runs are still listed
+            print(f"error: {exc}", file=sys.stderr)
+            damaged += 1
+            continue
         ok = [r for r in results if r["status"] == "ok"]
         best = min((r["objective_us"] for r in ok), default=None)
         rows.append({"run": str(path.parent), "space": meta.get("space"), "strategy": meta.get("strategy"),
                      "gpu": (meta.get("gpu") or {}).get("gpu"), "evaluations": len(results), "ok": len(ok),
                      "best_us": best, "finished": bool(meta.get("finished")), "started": meta.get("started")})
+    status = EXIT_USAGE if damaged else EXIT_OK
     if args.json:
         print(json.dumps(rows))
-        return EXIT_OK
+        return status
     if not rows:
         Console().print(f"no runs under {root}/ (evoengineer search --space SPACE starts one)")
-        return EXIT_OK
+        return status
     from ..results import print_grid, runs_grid
 
     print_grid(Console(highlight=False), runs_grid(str(root), rows), wide=args.wide)
-    return EXIT_OK
+    return status
 
 
 def _run_path(text: str) -> Path:
@@ -275,7 +356,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trials", type=int, help="evaluation budget (default: the space's search.budget)")
     p.add_argument("--time", help="time budget such as 90s, 15m, 1h (default: the space's search.time)")
     p.add_argument("--top-k", type=int, dest="top_k", help="finalists to re-time for the leaderboard (default: the space's)")
-    p.add_argument("--seed", type=int, default=0, help="strategy and input seed (default 0)")
+    p.add_argument("--seed", type=int, help="strategy and input seed (default 0)")
     p.add_argument("--shape", action="append", metavar="B,H,S,D",
                    help="search only this shape of the space, full and causal (repeatable; default: every shape); "
                         "B,H,S/S_KV,D names a shape whose K/V length differs, e.g. 8,32,1/4096,128 (decode). "

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from pathlib import Path
 
 from ..gpu import SDPA_BACKENDS
@@ -83,14 +82,28 @@ def load_leaderboard(run_path: Path, top: int | None = None) -> dict:
     run = RunDir(Path(run_path))
     path = run.path / LEADERBOARD
     if path.exists():
-        board = json.loads(path.read_text())
+        board = run.read_json(LEADERBOARD)
+        _check_board(board, path)
     else:
-        baseline = json.loads((run.path / "baseline.json").read_text()) if (run.path / "baseline.json").exists() else {}
+        baseline = run.read_json("baseline.json", {})
         meta = run.meta() if (run.path / "run.json").exists() else {}
         board = build_leaderboard(best_results(run, top or 10), None, baseline, meta.get("case_flops", {}), meta.get("gpu", {}).get("gpu", "?"))
     if top:
         board["entries"] = board["entries"][:top]
     return board
+
+
+def _check_board(board: dict, path: Path) -> None:
+    """Raise ``RunFileError`` unless ``board`` has the leaderboard's shape."""
+    from ..search import RunFileError
+
+    entries = board.get("entries")
+    if not isinstance(entries, list) or not isinstance(board.get("sdpa", []), list):
+        raise RunFileError(f"{path}: no list of 'entries'; not a leaderboard a search wrote")
+    for i, entry in enumerate(entries):
+        if not (isinstance(entry, dict) and isinstance(entry.get("rank"), int) and isinstance(entry.get("config"), dict)
+                and isinstance(entry.get("key"), str) and isinstance(entry.get("geomean_us"), (int, float))):
+            raise RunFileError(f"{path}: entries[{i}] lacks a rank, config, key or geomean_us")
 
 
 def _short(config: dict) -> str:

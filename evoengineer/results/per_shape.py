@@ -10,7 +10,6 @@ fallback configuration: the geometric-mean winner (rank 1) of the first run.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -152,8 +151,7 @@ class RunInfo:
             raise ExportError(f"{run.path}: no space.yaml; not a run directory")
         space = load_space(run.path / "space.yaml")
         meta = run.meta() if (run.path / "run.json").exists() else {}
-        baseline_path = run.path / "baseline.json"
-        baseline = json.loads(baseline_path.read_text()) if baseline_path.exists() else {}
+        baseline = run.read_json("baseline.json", {})
         shapes = {case.label(): case_shape(case, space) for case in space.cases}
         return cls(run.path, space, str((meta.get("gpu") or {}).get("gpu") or "?"), str(meta.get("arch") or space.target.arch),
                    [r for r in run.results() if r.get("status") == "ok"], baseline, shapes)

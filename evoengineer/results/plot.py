@@ -2,7 +2,6 @@
 backends as reference lines. Needs matplotlib (``pip install evoengineer[plot]``)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +58,7 @@ def plot_run(run_path: Path, out: Path) -> Path:
     plt = pyplot()
     run = RunDir(Path(run_path))
     meta = run.meta()
-    baseline_path = run.path / "baseline.json"
-    baseline = json.loads(baseline_path.read_text()) if baseline_path.exists() else {}
+    baseline = run.read_json("baseline.json", {})
     fig, ax = plt.subplots(figsize=(9, 5), dpi=120)
     draw_progress(ax, run.results(), baseline)
     gpu = (meta.get("gpu") or {}).get("gpu", "?")

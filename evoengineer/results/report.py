@@ -31,8 +31,8 @@ def write_report(run_path: Path, out: Path | None = None) -> Path:
     out = Path(out) if out else run.path / REPORT
     meta = run.meta()
     results = run.results()
-    baseline = _read_json(run.path / "baseline.json") or {}
-    env = _read_json(run.path / "env.json") or meta.get("gpu") or {}
+    baseline = run.read_json("baseline.json", {})
+    env = run.read_json("env.json", {}) or meta.get("gpu") or {}
     study, study_note = open_run_study(run, meta)
     plt = pyplot()
     sections = [
@@ -317,10 +317,6 @@ def _figure(plt: Any, fig: Any, alt: str) -> str:
     plt.close(fig)
     data = base64.b64encode(buf.getvalue()).decode("ascii")
     return f'<figure><img alt="{_e(alt)}" src="data:image/png;base64,{data}"><figcaption>{_e(alt)}</figcaption></figure>'
-
-
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 _CSS = """

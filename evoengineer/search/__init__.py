@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from .ledger import Ledger
 from .loop import (
+    DEFAULT_STORAGE,
     PHASES,
     RESULTS,
     RUN_META,
     CandidateEvaluator,
     RunDir,
+    RunFileError,
     SearchStats,
     best_results,
+    check_records,
     counted_trials,
     geomean,
     open_study,
@@ -28,11 +31,12 @@ from .replay import (
     run_replay,
 )
 from .strategies import make_sampler, suggest_config
-from .study import DEFAULT_HEARTBEAT_S, GRACE_BEATS, make_storage, requeue_stale
+from .study import DEFAULT_HEARTBEAT_S, GRACE_BEATS, link_run, make_storage, requeue_stale, storage_error, study_problem
 
 __all__ = [
-    "DEFAULT_HEARTBEAT_S", "GRACE_BEATS", "Ledger", "PHASES", "make_storage", "requeue_stale",
+    "DEFAULT_HEARTBEAT_S", "DEFAULT_STORAGE", "GRACE_BEATS", "Ledger", "PHASES", "RunFileError", "link_run", "make_storage",
+    "requeue_stale", "storage_error", "study_problem",
     "NOT_RECORDED", "RESULTS", "ReplayCandidates", "RUN_META", "CandidateEvaluator", "ReplayEvaluator", "ReplayResult", "RunDir",
-    "SearchStats", "best_results", "counted_trials", "evaluations_to_reach", "geomean", "make_sampler",
+    "SearchStats", "best_results", "check_records", "counted_trials", "evaluations_to_reach", "geomean", "make_sampler",
     "open_study", "recover_interrupted", "replay_trial", "run_replay", "run_search", "suggest_config", "tell",
 ]

@@ -6,6 +6,7 @@ the study; the evaluator is anything with ``evaluate(config, report) -> EvalResu
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import multiprocessing
@@ -16,23 +17,26 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import optuna
 import sqlalchemy.exc
 
 from ..gpu import STATUSES, EvalResult
 from ..kernels import StaticReport, build_config_job
-from ..space import Config, Space
+from ..space import Config, Space, path_component
 from .ledger import Ledger
 from .strategies import make_sampler, suggest_config
 from .study import (
     DEFAULT_HEARTBEAT_S,
     GRACE_BEATS,
     Heartbeat,
+    crash_point,
+    finish_requeues,
     finish_trial,
     make_storage,
     requeue,
@@ -48,19 +52,66 @@ class CandidateEvaluator(Protocol):
     def evaluate(self, config: Config, report: StaticReport | None = None) -> EvalResult: ...
 
 
+class RunFileError(Exception):
+    """A run's file is missing, damaged or cannot be written (full disk, read-only
+    directory). ``str()`` is one line naming the file and what is wrong."""
+
+
+DEFAULT_STORAGE = "sqlite:///study.db"
+"""How run.json records the run's own SQLite study: relative to the run directory, so a
+moved or copied run finds its own study."""
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Turn an ``OSError`` while writing ``path`` into a one-line ``RunFileError``."""
+    try:
+        yield
+    except OSError as exc:
+        raise RunFileError(f"{path}: cannot write: {describe_os_error(exc, run=True)}") from None
+
+
+def describe_os_error(exc: OSError, run: bool = False) -> str:
+    """The reason of an ``OSError`` in words, with what to do for a full disk or a read-only
+    place (``run``: the place is a run directory, which --resume continues)."""
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.ENOSPC or exc.errno == errno.EDQUOT:
+        return f"{reason} (the disk is full{': free space, then --resume continues the run' if run else ''})"
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        where = "the run directory is not writable: copy the run somewhere writable to continue it" if run else \
+            "a read-only file system, or no permission"
+        return f"{reason} ({where})"
+    return reason
+
+
 @dataclass
 class RunDir:
-    """``runs/<date>-<space>-<id>/``: everything a search leaves behind."""
+    """``runs/<date>-<space>-<id>/``: everything a search leaves behind. ``name`` is the
+    run's name in its study (its directory's name when it was created; a moved or copied
+    run keeps it)."""
 
     path: Path
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path)
+        self.name = self.name or self.path.name
 
     @classmethod
     def create(cls, root: Path, space: Space) -> "RunDir":
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = root / f"{stamp}-{space.name}-{secrets.token_hex(3)}"
-        (path / "sources").mkdir(parents=True)
-        (path / "space.yaml").write_text(space.source_text())
+        path = root / f"{stamp}-{path_component(space.name)}-{secrets.token_hex(3)}"
+        with writing(path):
+            (path / "sources").mkdir(parents=True)
+            (path / "space.yaml").write_text(space.source_text())
         return cls(path)
+
+    @classmethod
+    def open(cls, path: Path) -> "RunDir":
+        """An existing run, named as its run.json records."""
+        run = cls(Path(path))
+        recorded = run.meta().get("run_name")
+        return cls(run.path, recorded) if isinstance(recorded, str) and recorded else run
 
     @property
     def results_path(self) -> Path:
@@ -69,21 +120,61 @@ class RunDir:
     def default_storage(self) -> str:
         return f"sqlite:///{(self.path / 'study.db').resolve()}"
 
+    def storage_url(self, recorded: str | None) -> str:
+        """The storage URL run.json records, a relative SQLite path taken relative to the run
+        directory (the default study, which moves with the run)."""
+        if not recorded:
+            return self.default_storage()
+        if recorded.startswith("sqlite:///") and not recorded.startswith("sqlite:////"):
+            rest = recorded[len("sqlite:///"):]
+            if rest and not rest.startswith(":memory:") and not rest.startswith("file:"):
+                return f"sqlite:///{(self.path / rest).resolve()}"
+        return recorded
+
+    def sqlite_file(self, url: str) -> Path | None:
+        """The file of a SQLite storage URL (None for other storages and in-memory SQLite)."""
+        if url.startswith("sqlite:///") and ":memory:" not in url and "mode=memory" not in url:
+            return Path(url[len("sqlite:///"):].split("?")[0])
+        return None
+
+    def read_json(self, name: str, default: Any = None, kind: type = dict) -> Any:
+        """The JSON file ``name`` of the run (``default`` when it does not exist); a file that
+        is cut, not JSON or not a ``kind`` raises ``RunFileError``."""
+        path = self.path / name
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            if default is not None:
+                return default
+            raise RunFileError(f"{path}: missing") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RunFileError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            cut = " (cut short: a kill or a full disk while it was written?)" if exc.pos >= len(text.rstrip()) else ""
+            raise RunFileError(f"{path}: not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}{cut}") from None
+        if not isinstance(data, kind):
+            raise RunFileError(f"{path}: expected a JSON {'object' if kind is dict else kind.__name__}, got {type(data).__name__}")
+        return data
+
     def meta(self) -> dict:
-        return json.loads((self.path / RUN_META).read_text())
+        return self.read_json(RUN_META)
 
     def write_meta(self, meta: dict) -> None:
-        tmp = self.path / (RUN_META + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=2))
-        tmp.replace(self.path / RUN_META)
+        self.write_json(RUN_META, meta)
 
     def write_json(self, name: str, data: Any) -> None:
         tmp = self.path / (name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(self.path / name)
+        with writing(tmp):
+            with tmp.open("w") as fh:
+                fh.write(json.dumps(data, indent=2))
+                fh.flush()
+                os.fsync(fh.fileno())  # a full disk fails here, not silently at close
+            tmp.replace(self.path / name)
 
     def append_result(self, result: EvalResult) -> None:
-        with self.results_path.open("ab+") as fh:
+        with writing(self.results_path), self.results_path.open("ab+") as fh:
             fh.seek(0, os.SEEK_END)
             if fh.tell():
                 fh.seek(-1, os.SEEK_END)
@@ -94,20 +185,64 @@ class RunDir:
             os.fsync(fh.fileno())
 
     def results(self) -> list[dict]:
-        if not self.results_path.exists():
-            return []
-        out = []
-        for line in self.results_path.read_text().splitlines():
+        """The run's records; a record of the wrong shape raises ``RunFileError`` naming its line."""
+        return self.read_results()[0]
+
+    def read_results(self) -> tuple[list[dict], list[int]]:
+        """(the records, the numbers of lines cut by a kill). A cut line is one that starts a
+        record and does not parse; any other line that is not a record is damage."""
+        path = self.results_path
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return [], []
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RunFileError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+        out, cut = [], []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
-                continue  # a line cut by a kill
-        return out
+                if line.startswith("{"):
+                    cut.append(number)
+                    continue
+                raise RunFileError(f"{path}: line {number}: not a JSON record") from None
+            problem = _record_problem(record)
+            if problem:
+                raise RunFileError(f"{path}: line {number}: {problem}")
+            out.append(record)
+        return out, cut
 
     def save_sources(self, report: StaticReport) -> None:
         for build in report.builds:
             if build.rendered is not None:
-                (self.path / "sources" / f"{report.config.key()}-{build.variant.label()}.cu").write_text(build.rendered.source)
+                target = self.path / "sources" / f"{report.config.key()}-{build.variant.label()}.cu"
+                with writing(target):
+                    target.write_text(build.rendered.source)
+
+
+def _record_problem(record: Any) -> str:
+    """What is wrong with one line of results.jsonl ('' when it is a record)."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, got {type(record).__name__}"
+    for name, kind in (("key", str), ("status", str), ("config", dict)):
+        if not isinstance(record.get(name), kind):
+            return f"{name!r} is {_kind(record.get(name))}, expected a {kind.__name__}"
+    if record["status"] not in STATUSES:
+        return f"status {record['status'][:40]!r} is not one of {', '.join(STATUSES)}"
+    value = record.get("objective_us")
+    if record["status"] == "ok" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+        return f"an ok record's 'objective_us' is {_kind(value)}, expected a finite number"
+    if not isinstance(record.get("cases", []), list):
+        return f"'cases' is {_kind(record.get('cases'))}, expected a list"
+    return ""
+
+
+def _kind(value: Any) -> str:
+    name = type(value).__name__
+    return "missing" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 PHASES = ("strategy", "compile", "load", "gate", "timing", "ipc", "storage")
@@ -191,7 +326,7 @@ def open_study(space: Space, run: RunDir, *, strategy: str, seed: int | None, st
     run directory), with heartbeats of running trials every ``heartbeat_s`` seconds."""
     sampler = make_sampler(strategy, space, seed=seed)
     url = storage or run.default_storage()
-    name = study_name or run.path.name
+    name = study_name or run.name
     for attempt in range(6):
         try:
             return optuna.create_study(study_name=name, storage=make_storage(url, heartbeat_s), sampler=sampler,
@@ -212,12 +347,16 @@ def _config_of(frozen: optuna.trial.FrozenTrial, space: Space) -> Config | None:
 def recover_interrupted(study: optuna.Study, run: RunDir, space: Space) -> int:
     """After a kill: trials this run left RUNNING are told from their record if it was
     written, else failed and re-queued once (the retry keeps their budget slot); results
-    told to the study but not yet written to ``results.jsonl`` are written from the study."""
+    told to the study but not yet written to ``results.jsonl`` are written from the study.
+
+    Idempotent: a re-queue this run began and a kill cut short (the trial marked, or
+    failed, but no retry queued) is finished first, so a kill at any point of a recovery
+    loses no budget slot."""
     ledger = Ledger(study)
     recorded = {r["key"]: r for r in run.results()}
-    recovered = 0
+    recovered = finish_requeues(study, ledger, run.name)
     for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        if frozen.user_attrs.get("run", run.path.name) != run.path.name:
+        if frozen.user_attrs.get("run", run.name) != run.name:
             continue  # another search sharing the study is evaluating it
         config = _config_of(frozen, space)
         trial = optuna.Trial(study, frozen._trial_id)
@@ -226,10 +365,12 @@ def recover_interrupted(study: optuna.Study, run: RunDir, space: Space) -> int:
             if record:
                 tell(study, trial, EvalResult(**{k: record[k] for k in EvalResult.__dataclass_fields__ if k in record}))
             else:
-                if not ledger.mark_requeued(frozen.number, run.path.name):
+                if not ledger.mark_requeued(frozen.number, run.name):
                     continue  # another search found it dead and re-queued it
+                crash_point("recover:marked")
                 trial.set_user_attr("status", "interrupted")
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                crash_point("recover:failed")
                 requeue(study, study._storage.get_trial(frozen._trial_id))
         except optuna.exceptions.UpdateFinishedTrialError:
             continue  # finished by another search meanwhile
@@ -237,7 +378,7 @@ def recover_interrupted(study: optuna.Study, run: RunDir, space: Space) -> int:
     for frozen in study.get_trials(deepcopy=False, states=_FINISHED):
         status = frozen.user_attrs.get("status")
         key = frozen.user_attrs.get("config_key")
-        if frozen.user_attrs.get("run") != run.path.name or status not in STATUSES or key in recorded:
+        if frozen.user_attrs.get("run") != run.name or status not in STATUSES or key in recorded:
             continue
         config = _config_of(frozen, space)
         if config is None:
@@ -359,7 +500,7 @@ class _Search:
         self.build, self.arch = build, arch
         self.ledger = Ledger(study)
         self.heartbeat = Heartbeat(study)
-        self.name = run.path.name
+        self.name = run.name
         self.in_flight: dict[int, _Candidate] = {}  # trial id -> candidate
         self.full = len(self.ledger.slots()) >= budget  # every budget slot is taken
         self.exhausted = False  # no configuration is left to propose
@@ -637,6 +778,57 @@ def _compile_process_init() -> None:
         os.nice(COMPILE_NICENESS)
     except OSError:  # not permitted: same priority, as before
         pass
+
+
+def check_records(run: RunDir) -> str:
+    """Check results.jsonl against the run's study before a command answers from it: a
+    disagreement (a search killed between telling the study and writing the record, a
+    record the study never saw) or a damaged study raises ``RunFileError``; where the
+    study cannot be consulted (gone, unreachable) the answer is a note saying so ('' when
+    the two agree)."""
+    from collections import Counter
+
+    from .study import storage_error
+
+    meta = run.meta()
+    records, cut = run.read_results()
+    url = run.storage_url(meta.get("storage") if isinstance(meta.get("storage"), str) else None)
+    name = meta.get("study_name") if isinstance(meta.get("study_name"), str) else run.name
+    file = run.sqlite_file(url)
+    results = run.results_path
+    last_cut = bool(cut) and results.read_text().rstrip("\n").count("\n") + 1 == cut[-1]
+    if file is not None and not file.exists():
+        if last_cut:
+            raise RunFileError(f"{results}: its last line is cut (a search killed while writing it) and the run's study "
+                               f"{file} is missing: its records are incomplete")
+        return f"note: the run's study {file} is missing; {results.name} was not checked against it"
+    if file is not None and not os.access(file.parent, os.W_OK) and not file.with_name(file.name + "-wal").exists():
+        url = f"sqlite:///file:{file}?mode=ro&immutable=1&uri=true"  # a read-only run: SQLite may not even create its lock file
+    try:
+        storage = make_storage(url, None)
+        study_id = storage.get_study_id_from_name(name)
+        trials = storage.get_all_trials(study_id, deepcopy=False, states=_FINISHED)
+    except KeyError:
+        return f"note: {file or url} holds no study {name!r}; {results.name} was not checked against it"
+    except Exception as exc:  # noqa: BLE001 - a storage failure in words, or a bug raised as is
+        message = storage_error(exc)
+        if not message:
+            raise
+        if file is not None and "damaged" in message:
+            raise RunFileError(f"{file}: {message}") from None
+        return f"note: could not read the study {name!r} ({message}); {results.name} was not checked against it"
+    in_study = Counter(t.user_attrs.get("config_key") for t in trials
+                       if t.user_attrs.get("run", run.name) == run.name and t.user_attrs.get("status") in STATUSES)
+    in_file = Counter(r["key"] for r in records)
+    missing, extra = sum((in_study - in_file).values()), sum((in_file - in_study).values())
+    resume = f"`evoengineer search --space {run.path / 'space.yaml'} --resume --run-dir {run.path}`"
+    if missing:
+        raise RunFileError(f"{results}: lacks {missing} of the {sum(in_study.values())} evaluations its study holds (a search "
+                           f"killed between the two, or one still running); {resume} writes them")
+    if extra:
+        raise RunFileError(f"{results}: holds {extra} record(s) its study {name!r} does not; the study is not this run's, "
+                           "or lost evaluations")
+    return ""
 
 
 def best_results(run: RunDir, top_k: int) -> list[dict]:

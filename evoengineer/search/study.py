@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
+import signal
 import threading
 import warnings
 from typing import Any
@@ -135,9 +137,119 @@ class Heartbeat:
 
 def requeue(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
     """Queue a retry of a failed (dead) trial with its parameters; the retry records which
-    trials it retries (``retry_history``), so it takes over their budget slot."""
+    trials it retries (``retry_history``), so it takes over their budget slot. A trial
+    retried ``MAX_RETRIES`` times already gets no retry: its slot is freed instead."""
     callback = getattr(study._storage, "get_heartbeat_stale_trial_callback", lambda: None)() or retry_callback()
     callback(study, copy.deepcopy(frozen))
+    if not _retried(study, frozen.number):
+        ledger = Ledger(study)
+        for index, holder in ledger.slots().items():
+            if holder == frozen.number:
+                ledger.release_slot(index)
+
+
+def _retried(study: optuna.Study, number: int) -> bool:
+    """Whether a retry of trial ``number`` exists (queued, running or finished)."""
+    return any(number in (t.system_attrs.get("retry_history") or []) for t in study.get_trials(deepcopy=False))
+
+
+def finish_requeues(study: optuna.Study, ledger: Ledger, by: str) -> int:
+    """Finish the re-queues ``by`` began and a kill cut short: a trial marked ``requeued`` by
+    ``by`` with no retry is failed if it still runs, then re-queued (or its slot freed).
+    Returns how many were finished."""
+    done = 0
+    for number, entry in ledger.entries("requeued:").items():
+        if not isinstance(entry, dict) or entry.get("by") != by or not number.isdigit() or _retried(study, int(number)):
+            continue
+        frozen = next((t for t in study.get_trials(deepcopy=False) if t.number == int(number)), None)
+        if frozen is None:
+            continue
+        if frozen.state == optuna.trial.TrialState.RUNNING:
+            try:
+                study._storage.set_trial_user_attr(frozen._trial_id, "status", "interrupted")
+                study._storage.set_trial_state_values(frozen._trial_id, state=optuna.trial.TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass
+        frozen = study._storage.get_trial(frozen._trial_id)
+        if frozen.state != optuna.trial.TrialState.FAIL or frozen.user_attrs.get("status") not in (None, "interrupted"):
+            continue  # its search told it after all: its result holds the slot
+        requeue(study, frozen)
+        done += 1
+    return done
+
+
+CRASH_AT = "EVOENGINEER_CRASH_AT"
+"""Fault injection for tests: the process kills itself (SIGKILL) at the ``crash_point`` of
+this name, so that a test can land a kill exactly between two steps of a recovery."""
+
+
+def crash_point(name: str) -> None:
+    if os.environ.get(CRASH_AT) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- the run's study: identity, and what its errors mean ---------------------------------------
+
+RUN_ATTR = "evoengineer:run:"
+"""Study user attribute ``evoengineer:run:<run id>`` -> the run's name: the runs recorded in
+this study (one, or several searches sharing it); run.json holds the same id."""
+
+
+def link_run(study: optuna.Study, run_id: str, run_name: str) -> None:
+    """Record in the study that the run ``run_id`` writes to it."""
+    if study.user_attrs.get(RUN_ATTR + run_id) != run_name:
+        study.set_user_attr(RUN_ATTR + run_id, run_name)
+
+
+def study_problem(url: str, study_name: str, run_id: str | None, sqlite_file: Any, recorded: int, linked: bool) -> str:
+    """Why the run ``run_id`` cannot resume on ``study_name`` in ``url`` ('' when it can):
+    the study is missing or empty while the run has ``recorded`` evaluations (or had linked
+    a study), or the study names other runs and not this one. Opens nothing it would create."""
+    where = str(sqlite_file) if sqlite_file is not None else url
+    lost = f"resuming would repeat its {recorded} recorded evaluation(s)" if recorded else "its study is lost"
+    if sqlite_file is not None and not sqlite_file.exists():
+        if not recorded and not linked:
+            return ""
+        return f"the run's study {where} is missing: {lost}; restore the file, or start a new run"
+    storage = make_storage(url, None)
+    try:
+        study_id = storage.get_study_id_from_name(study_name)
+    except KeyError:
+        if not recorded and not linked:
+            return ""
+        return f"{where} holds no study {study_name!r}: {lost}; give the run's --storage, or start a new run"
+    trials = storage.get_all_trials(study_id, deepcopy=False)
+    runs = {k[len(RUN_ATTR):]: v for k, v in storage.get_study_user_attrs(study_id).items() if k.startswith(RUN_ATTR)}
+    if run_id and runs and run_id not in runs:
+        others = ", ".join(sorted(str(v) for v in runs.values()))[:120]
+        return f"the study {study_name!r} in {where} belongs to another run ({others}), not this one; start a new run"
+    if not trials and recorded:
+        return f"the study {study_name!r} in {where} is empty: {lost}; restore it, or start a new run"
+    return ""
+
+
+def storage_error(exc: BaseException) -> str:
+    """A storage failure in words (the database's own message, found under Optuna's and
+    SQLAlchemy's wrappers), with what to do for a full disk or a read-only file; '' when
+    ``exc`` is no storage failure."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    if not any(isinstance(e, (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError)) for e in chain):
+        return ""
+    orig = next((e.orig for e in chain if isinstance(e, sqlalchemy.exc.DBAPIError) and e.orig is not None), None)
+    text = str(orig if orig is not None else chain[-1]).strip().splitlines()
+    message = text[0] if text else type(chain[-1]).__name__
+    lower = message.lower()
+    if "disk is full" in lower or "no space" in lower:
+        message += " (the disk is full: free space, then --resume continues the run)"
+    elif "readonly" in lower or "read-only" in lower or "unable to open" in lower:
+        message += " (the study's file or its directory is not writable)"
+    elif "not a database" in lower or "malformed" in lower:
+        message += " (the study's file is damaged)"
+    return message[:400]
 
 
 def requeue_stale(study: optuna.Study, ledger: Ledger, by: str, silent: list[int] = ()) -> int:

@@ -27,11 +27,12 @@ from .model import (
     parse_duration,
     parse_shape,
     parse_space,
+    path_component,
     resolve_space_path,
 )
 
 __all__ = [
     "DEFAULT_TOLERANCES", "DTYPES", "STRATEGIES", "Case", "Config", "Constraint", "ExpressionError", "Param", "ParamValue", "SafeExpression",
     "SearchSettings", "Space", "SpaceError", "Target", "Timing", "Variant", "format_shape", "load_space", "parse_duration",
-    "parse_expression", "parse_shape", "parse_space", "resolve_space_path",
+    "parse_expression", "parse_shape", "parse_space", "path_component", "resolve_space_path",
 ]

@@ -21,7 +21,7 @@ import yaml
 from .. import paths as kernel_paths
 from ..resources import builtin_spaces, template_names
 from .config import Config, ParamValue
-from .expressions import ExpressionError, SafeExpression, parse_expression
+from .expressions import ExpressionError, SafeExpression, parse_expression, quote
 
 STRATEGIES = ("evo", "tpe", "random", "grid")
 DTYPES = ("fp16", "bf16")
@@ -39,8 +39,15 @@ class SpaceError(ValueError):
     """A space file is missing, malformed or invalid. ``str()`` is the one-line message."""
 
     def __init__(self, path: str | Path, key: str, message: str) -> None:
-        self.path, self.key, self.message = str(path), key, message
-        super().__init__(f"{self.path}: {key}: {message}" if key else f"{self.path}: {message}")
+        self.path, self.key, self.message = _one_line(str(path), 200), _one_line(str(key), 120), _one_line(str(message), 400)
+        super().__init__(f"{self.path}: {self.key}: {self.message}" if self.key else f"{self.path}: {self.message}")
+
+
+def _one_line(text: str, limit: int) -> str:
+    """``text`` with control characters escaped, cut to ``limit`` characters: what a file
+    supplies is quoted in an error message, never allowed to flood or break it."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit * 2])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -544,22 +551,115 @@ def resolve_space_path(spec: str | Path, cwd: Path | None = None) -> Path:
 def load_space(spec: str | Path, cwd: Path | None = None) -> Space:
     path = resolve_space_path(spec, cwd)
     display = _display_path(path, cwd)
-    return parse_space(_read_yaml(path, display), display, path)
+    data = _read_yaml(path, display)
+    try:
+        space = parse_space(data, display, path)
+    except ExpressionError as exc:  # a constraint that fails on the values a seed gives it
+        raise SpaceError(display, _constraint_key(data, exc.expression), str(exc)) from None
+    except RecursionError:
+        raise SpaceError(display, "", "nested too deeply") from None
+    _probe_constraints(space, display)
+    return space
 
 
 def _read_yaml(path: Path, display: str) -> Any:
     try:
-        text = path.read_text()
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_SPACE_BYTES + 1)
     except OSError as exc:
         raise SpaceError(display, "", f"cannot read: {exc.strerror}") from None
+    if len(raw) > MAX_SPACE_BYTES:
+        raise SpaceError(display, "", f"larger than {MAX_SPACE_BYTES // 1024} KiB; a space file is a short YAML document")
     try:
-        return yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpaceError(display, "", f"not UTF-8 text (byte {exc.start})") from None
+    return _load_yaml(text, display)
+
+
+def _constraint_key(data: Any, text: str | None) -> str:
+    """``constraints[i]`` of the constraint whose expression is ``text`` (``constraints`` if none is)."""
+    items = data.get("constraints") if isinstance(data, dict) else None
+    for index, item in enumerate(items if isinstance(items, list) else []):
+        expr = item.get("expr") if isinstance(item, dict) else item
+        if isinstance(expr, str) and expr.strip() == text:
+            return f"constraints[{index}]"
+    return "constraints"
+
+
+def _probe_constraints(space: Space, display: str) -> None:
+    """Evaluate every constraint on each parameter's every value (the others at their first):
+    a constraint that cannot be evaluated (a divisor that some value makes 0) fails here,
+    naming its key, instead of in the middle of a search."""
+    env = {**space.environment(), **{p.name: p.values[0] for p in space.params}}
+    for index, constraint in enumerate(space.constraints):
+        for param in space.params:
+            for value in param.values:
+                try:
+                    constraint.expression({**env, param.name: value})
+                except ExpressionError as exc:
+                    raise SpaceError(display, f"constraints[{index}]", str(exc)) from None
+
+
+MAX_SPACE_BYTES = 1 << 20
+"""The largest space file read (the built-in ones are under 20 KiB)."""
+MAX_YAML_NODES = 100_000
+"""YAML nodes a space may hold once its aliases are expanded: an alias repeats its anchor's
+whole subtree, so a few nested ones ("billion laughs") would otherwise stand for billions."""
+
+
+def _load_yaml(text: str, display: str) -> Any:
+    """``yaml.safe_load`` of a space's text, refusing documents whose aliases expand past
+    ``MAX_YAML_NODES`` nodes or whose nesting exhausts the parser."""
+    loader = None
+    try:
+        loader = yaml.SafeLoader(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _count_nodes(node, display)
+        return loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise SpaceError(display, "", f"malformed YAML: {where}{exc.problem}") from None
     except yaml.YAMLError as exc:
-        raise SpaceError(display, "", f"malformed YAML: {exc}") from None
+        raise SpaceError(display, "", f"malformed YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    except (RecursionError, MemoryError):
+        raise SpaceError(display, "", "malformed YAML: nested too deeply") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def _count_nodes(root: yaml.Node, display: str) -> None:
+    """Raise unless the node graph, aliases expanded, holds at most ``MAX_YAML_NODES`` nodes
+    (a node's expanded size is counted once per node, then reused for every alias to it)."""
+    sizes: dict[int, int] = {}
+    order: list[yaml.Node] = []
+    stack: list[yaml.Node] = [root]
+    seen: set[int] = set()
+    while stack:  # children before parents, without recursion (a document may nest deeply)
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        order.append(node)
+        stack.extend(_children(node))
+    for node in reversed(order):
+        size = 1 + sum(sizes.get(id(child), 1) for child in _children(node))
+        if size > MAX_YAML_NODES:
+            raise SpaceError(display, "", f"YAML aliases expand to more than {MAX_YAML_NODES} nodes; "
+                             "write the values out (or use fewer aliases)")
+        sizes[id(node)] = size
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
 
 
 def _extended(data: Any, display: str, path: Path | None) -> Any:
@@ -604,7 +704,7 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
     if "params" not in root and "paths" not in root:
         v.fail("params", "required key is missing")
 
-    name = v.string(root.get("name", Path(display).stem), "name")
+    name = path_component(v.string(root.get("name", Path(display).stem), "name"), Path(display).stem)
     description = v.string(root.get("description", ""), "description", allow_empty=True)
 
     t = v.mapping(root["target"], "target", _TARGET_KEYS, required=_TARGET_KEYS)
@@ -902,8 +1002,19 @@ def _shape_key(shape: Sequence[int]) -> tuple[int, int, int, int, int]:
     return (b, h, s, d, rest[0] if rest else s)
 
 
+def path_component(name: str, fallback: str = "space") -> str:
+    """``name`` as one safe path component (a run directory is named after its space):
+    characters other than letters, digits, ``.``, ``_`` and ``-`` become ``-``, leading
+    dots and dashes go, at most 64 characters; ``fallback`` (made safe too) if nothing is left."""
+    for text in (name, fallback, "space"):
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "-", str(text)).lstrip(".-")[:64].rstrip("-")
+        if safe:
+            return safe
+    return "space"
+
+
 def _hint(word: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    close = difflib.get_close_matches(str(word)[:100], list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -966,5 +1077,5 @@ class _Validator:
 
 def _describe(raw: Any) -> str:
     if isinstance(raw, (dict, list)):
-        return f"a {type(raw).__name__} {raw!r}"[:80]
-    return repr(raw)
+        return f"a {type(raw).__name__} {quote(raw, 70)}"
+    return quote(raw, 80)
