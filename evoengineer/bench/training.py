@@ -73,8 +73,13 @@ def backward_call(side: str, module: Any, q: Any, k: Any, v: Any, do: Any, causa
         backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[side]
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         grad = do
-        with sdpa_kernel([backend]):
+        # The forward on a side stream: autograd runs each backward op on its forward's stream,
+        # which may join a graph being captured; the legacy default stream may not.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), sdpa_kernel([backend]):
             out = F.scaled_dot_product_attention(*leaves, is_causal=causal, **({"enable_gqa": True} if gqa else {}))
+        torch.cuda.current_stream().wait_stream(stream)
     return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
 
 
