@@ -15,7 +15,11 @@ attention(q, k, v, is_causal=False, scale=None, enable_gqa=False) follows
 torch.nn.functional.scaled_dot_product_attention: is_causal masks top-left aligned (query i
 sees keys 0..i, also when seq_q != seq_k), scale defaults to 1/sqrt(head_dim) and must be
 positive, enable_gqa lets k and v have fewer heads than q (kernels that take a K/V head count
-only, see GQA). No attn_mask, no dropout, no backward.
+only, see GQA). No attn_mask, no dropout, no backward. Keywords as flash-attn's:
+window_size=(left, right), softcap=, and per-batch key ranges seqlens_k=, leftpad_k= (int32
+(batch,) tensors: padding), served by kernels exported with those features (kernel.json lists
+each kernel's); fallback='sdpa' runs SDPA for a call no kernel covers, counted per reason by
+fallback_counts() and explain() (features.py).
 
 Each kernel is compiled at first use by NVRTC (cupy.RawModule) for the GPU present and launched
 with cupy.cuda.driver.launchKernel on torch's current stream, reading and writing the tensors in
@@ -62,6 +66,10 @@ else:  # a copy in an export directory: serve the kernel.json beside this packag
     compile_all = _export.compile_all
     hf_attention = _export.hf_attention
     register_hf = _export.register_hf
+    fallback_counts = _export.fallback_counts
+    attention_features_op = _export.features_op
+    """torch.ops.<OP_NAMESPACE>.attention_features.default: a call with a window, soft cap,
+    per-batch key ranges or a fallback through the dispatcher."""
     OP_NAMESPACE = _export.data.op_namespace
     ARCH = _export.data.arch
     """The GPU architecture searched on; kernels compile for the GPU present."""
@@ -73,5 +81,6 @@ else:  # a copy in an export directory: serve the kernel.json beside this packag
     HEAD_DIMS = _export.data.head_dims
     GQA = _export.gqa
     """Whether every kernel takes a K/V head count (grouped-query attention without copies)."""
-    __all__ = ["attention", "attention_op", "dispatch", "explain", "compile_all", "hf_attention", "register_hf",
+    __all__ = ["attention", "attention_op", "attention_features_op", "dispatch", "explain", "compile_all",
+               "fallback_counts", "hf_attention", "register_hf",
                "CONFIGS", "DISPATCH", "DISPATCH_RULE", "GQA", "KERNELS", "OP_NAMESPACE", "LOG2E"]

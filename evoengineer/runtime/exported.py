@@ -13,7 +13,7 @@ from .hf import make_hf_attention, register_hf
 from .kernel_file import ExportData, read_kernel_file
 from .launch import Launcher
 from .loading import KernelCache
-from .op import make_attention, register_op
+from .op import make_attention, make_feature_attention, register_features_op, register_op
 
 KERNEL_FILE = "kernel.json"
 
@@ -31,6 +31,8 @@ class ExportedAttention:
         self.launcher = Launcher(data, self.table, self.coverage, self.kernels)
         self.op = register_op(data.op_namespace, self.launcher.forward, self.coverage)
         self.attention = make_attention(self.launcher.forward, self.op)
+        self.features_op = register_features_op(data.op_namespace, self.launcher.forward_features, self.coverage)
+        self.attention = make_feature_attention(self.attention, self.launcher.forward_features, self.features_op)
         self.hf_attention = make_hf_attention(self.attention, self.gqa)
         self.explain = self.launcher.explain
 
@@ -55,9 +57,19 @@ class ExportedAttention:
             index = device if isinstance(device, int) else (torch.device(device).index or 0)
         return self.kernels.compile_all(index)
 
-    def register_hf(self, name: str = "evo") -> str:
-        """Register ``hf_attention`` with transformers under ``name``; returns ``name``."""
-        return register_hf(self.hf_attention, name)
+    def register_hf(self, name: str = "evo", fallback: str | None = None) -> str:
+        """Register ``hf_attention`` with transformers under ``name``; returns ``name``. With
+        ``fallback="sdpa"`` a call no kernel serves (a mask the kernels cannot express, a head dim
+        not exported, ...) runs SDPA, counted in ``fallback_counts()``; by default it raises."""
+        from .features import check_fallback
+
+        hf = self.hf_attention if check_fallback(fallback) is None else make_hf_attention(self.attention, self.gqa, fallback,
+                                                                                   self.launcher.fallbacks)
+        return register_hf(hf, name)
+
+    def fallback_counts(self, reset: bool = False) -> dict[str, int]:
+        """Calls that ran the SDPA fallback so far, per reason (``reset``: start counting anew)."""
+        return self.launcher.fallbacks.snapshot(reset)
 
     # -- the tables as plain values ------------------------------------------------------------
 
