@@ -58,8 +58,9 @@ class KernelSpec:
     args: list[tuple[str, str]]
 
     @property
-    def key(self) -> tuple[str, int, bool, str]:
-        return (self.dtype, self.variant.head_dim, self.variant.causal, self.config_id)
+    def key(self) -> tuple:
+        features = tuple(getattr(self.variant, "features", ()))
+        return (self.dtype, self.variant.head_dim, self.variant.causal, self.config_id, *((features,) if features else ()))
 
     @property
     def features(self) -> list[str]:
@@ -157,18 +158,21 @@ def export_runs(runs: Sequence[Path], out: Path, module_name: str = MODULE_NAME)
     for run in per.runs:
         for variant in run.variants():
             all_variants.setdefault((variant_dtype(variant, run.space), variant.head_dim, variant.causal), variant)
-    wanted: dict[str, set[tuple[str, int, bool]]] = {}
-    for winner in per.winners:
-        wanted.setdefault(winner.config, set()).add(winner.shape.variant_key)
-    wanted.setdefault(per.fallback, set()).update(all_variants)
+    wanted: dict[str, set[tuple[str, int, bool, tuple[str, ...]]]] = {}
+    for winner in per.winners:  # a case with features: its winner with them (and without, for the dispatch table)
+        wanted.setdefault(winner.config, set()).update({(*winner.shape.variant_key, ()),
+                                                        (*winner.shape.variant_key, winner.shape.features)})
+    wanted.setdefault(per.fallback, set()).update((*key, ()) for key in all_variants)
     specs: list[KernelSpec] = []
     notes = list(per.notes)
     for cid, keys in wanted.items():
         config = per.configs[cid]
         run = run_of[config.run]
-        for dtype, head_dim, causal in sorted(keys):
+        for dtype, head_dim, causal, features in sorted(keys):
             base = all_variants.get((dtype, head_dim, causal)) or next(iter(run.variants()))
             variant = _variant_like(base, dtype, head_dim, causal)
+            if features:
+                variant = replace(variant, features=features)
             try:
                 specs.append(_spec(run, config, variant))
             except RenderError as exc:
@@ -238,9 +242,10 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
         path = out / f"{module_name}_{spec.filename_stem}.cu"
         path.write_text(spec.rendered.source)
         written.append(path)
-    have = {(s.dtype, s.variant.head_dim, s.variant.causal): set() for s in specs}
+    have: dict[tuple[str, int, bool], set[str]] = {(s.dtype, s.variant.head_dim, s.variant.causal): set() for s in specs}
     for s in specs:
-        have[(s.dtype, s.variant.head_dim, s.variant.causal)].add(s.config_id)
+        if not getattr(s.variant, "features", ()):  # the dispatch table names configurations with a plain kernel
+            have[(s.dtype, s.variant.head_dim, s.variant.causal)].add(s.config_id)
     dispatch: dict[tuple[str, int, bool], tuple[str, list[Any]]] = {}
     for vkey, ids in sorted(have.items()):
         cases = [w for w in per.winners if w.shape.variant_key == vkey and w.config in ids]

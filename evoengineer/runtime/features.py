@@ -155,7 +155,7 @@ def reference_attention(q: Any, k: Any, v: Any, is_causal: bool = False, scale: 
     no key give 0. The result has q's dtype (pass fp32 tensors for an fp32 reference)."""
     import torch.nn.functional as F
 
-    if features.needed(bool(is_causal)) == () and features.softcap <= 0:
+    if features.needed(bool(is_causal)) == () and seqlens_k is None and leftpad_k is None:
         k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         return F.scaled_dot_product_attention(q, k, v, is_causal=bool(is_causal), scale=scale)
     mask = allowed_keys(q.shape[0], q.shape[2], k.shape[2], bool(is_causal), features, seqlens_k, leftpad_k, q.device)
