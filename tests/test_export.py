@@ -92,6 +92,9 @@ def test_export_writes_one_kernel_per_distinct_configuration_and_variant(exporte
         ("fp16", 64, False, MMA.key()), ("fp16", 64, True, MMA.key()),  # the fallback: every variant
         ("fp16", 128, False, MMA.key()), ("fp16", 128, True, MMA.key()),
         ("fp16", 128, False, SPLIT.key()),
+        # and, of the fallback, a kernel with every feature per variant (padding, windows, soft-capping)
+        *((dtype, d, c, MMA.key(), ("seqlens", "softcap", "window")) for dtype in ("fp16",) for d in (64, 128)
+          for c in (False, True)),
     }
     split = module.KERNELS[("fp16", 128, False, SPLIT.key())]
     assert [l["kernel"] for l in split["launches"]] == ["attn_fwd", "attn_combine"] and split["workspace_floats_per_row"] > 0
@@ -105,8 +108,9 @@ def test_export_writes_one_kernel_per_distinct_configuration_and_variant(exporte
     assert info["decode"]["measured_cases"] == [{"case": DECODE, "config": SPLIT.key()}]
     assert SPLIT.key() in info["decode"]["configs"]
     for kernel in info["kernels"]:
+        switches = tuple(f for f in kernel["features"] if f != "gqa")
         assert (root / "out" / kernel["source"]).read_text() == module.KERNELS[
-            (kernel["dtype"], kernel["head_dim"], kernel["causal"], kernel["config"])]["source"]
+            (kernel["dtype"], kernel["head_dim"], kernel["causal"], kernel["config"], *((switches,) if switches else ()))]["source"]
         assert [name for name, _ in kernel["args"][:10]] == ["Q", "K", "V", "O", "WS", "B", "H", "H_kv", "S_q", "S_k"]
         assert kernel["args"][0] == ["Q", "ptr"] and "gqa" in kernel["features"]
     assert module.GQA is True

@@ -180,7 +180,40 @@ def export_runs(runs: Sequence[Path], out: Path, module_name: str = MODULE_NAME)
                                               for w in per.winners):
                     raise ExportError(f"{cid}: {exc}") from None
                 notes.append(f"fallback {cid} does not render for {dtype} D{head_dim}{' causal' if causal else ''}: {exc}")
+    order = [per.fallback, *sorted(c for c in per.configs if c != per.fallback)]
+    specs += _every_feature_specs([(per.configs[c], run_of[per.configs[c].run]) for c in order],
+                                  list(all_variants.values()), specs, notes)
     return _write(out, module_name, per, specs, mode="per-shape", notes=notes, measured=None)
+
+
+def _every_feature_specs(candidates: list[tuple[MeasuredConfig, RunInfo]], variants: list[Variant],
+                         specs: list[KernelSpec], notes: list[str]) -> list[KernelSpec]:
+    """Per plain variant without one yet, a kernel with every feature (per-batch key ranges,
+    soft-capping, a window: padding and sliding windows from ``hf_attention``), of the first
+    candidate configuration that renders it (the mma path's), so that calls with features find
+    a kernel in any export; a note where none does."""
+    from ..kernels import RenderError
+    from ..runtime.features import SWITCHES
+
+    have = {(s.dtype, s.variant.head_dim, s.variant.causal) for s in specs
+            if set(getattr(s.variant, "features", ())) >= set(SWITCHES)}
+    out: list[KernelSpec] = []
+    for base in variants:
+        if not hasattr(base, "features"):
+            continue
+        for config, run in candidates:
+            variant = replace(base, features=SWITCHES)
+            if (variant_dtype(variant, run.space), variant.head_dim, variant.causal) in have:
+                break
+            try:
+                out.append(_spec(run, config, variant))
+                break
+            except (RenderError, ExportError):
+                continue
+        else:
+            notes.append(f"no configuration renders {base.label()} with {', '.join(SWITCHES)}: calls with these features "
+                         "run the fallback, if asked")
+    return out
 
 
 def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_name: str = MODULE_NAME) -> list[Path]:
@@ -197,9 +230,11 @@ def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_nam
             winners.append(CaseWinner(case["label"], shape, config.id, float(case["median_us"]), str(run.path), 1))
     per = PerShape([run], winners, {config.id: config}, config.id)
     specs = [_spec(run, config, variant) for variant in run.variants()]
+    notes: list[str] = []
+    specs += _every_feature_specs([(config, run)], run.variants(), specs, notes)
     measured = {"rank": entry["rank"], "cases": entry["cases"], "geomean_us": entry["geomean_us"],
                 "speedup_vs_sdpa": entry["speedup"], "retimed": board.get("retimed"), "resources": entry.get("resources", {})}
-    return _write(out, module_name, per, specs, mode="rank", notes=[], measured=measured)
+    return _write(out, module_name, per, specs, mode="rank", notes=notes, measured=measured)
 
 
 def check_module_name(name: str) -> None:
