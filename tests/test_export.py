@@ -92,6 +92,9 @@ def test_export_writes_one_kernel_per_distinct_configuration_and_variant(exporte
         ("fp16", 64, False, MMA.key()), ("fp16", 64, True, MMA.key()),  # the fallback: every variant
         ("fp16", 128, False, MMA.key()), ("fp16", 128, True, MMA.key()),
         ("fp16", 128, False, SPLIT.key()),
+        # and, of the fallback, a kernel with every feature per variant (padding, windows, soft-capping)
+        *((dtype, d, c, MMA.key(), ("seqlens", "softcap", "window")) for dtype in ("fp16",) for d in (64, 128)
+          for c in (False, True)),
     }
     split = module.KERNELS[("fp16", 128, False, SPLIT.key())]
     assert [l["kernel"] for l in split["launches"]] == ["attn_fwd", "attn_combine"] and split["workspace_floats_per_row"] > 0
@@ -105,8 +108,9 @@ def test_export_writes_one_kernel_per_distinct_configuration_and_variant(exporte
     assert info["decode"]["measured_cases"] == [{"case": DECODE, "config": SPLIT.key()}]
     assert SPLIT.key() in info["decode"]["configs"]
     for kernel in info["kernels"]:
+        switches = tuple(f for f in kernel["features"] if f != "gqa")
         assert (root / "out" / kernel["source"]).read_text() == module.KERNELS[
-            (kernel["dtype"], kernel["head_dim"], kernel["causal"], kernel["config"])]["source"]
+            (kernel["dtype"], kernel["head_dim"], kernel["causal"], kernel["config"], *((switches,) if switches else ()))]["source"]
         assert [name for name, _ in kernel["args"][:10]] == ["Q", "K", "V", "O", "WS", "B", "H", "H_kv", "S_q", "S_k"]
         assert kernel["args"][0] == ["Q", "ptr"] and "gqa" in kernel["features"]
     assert module.GQA is True
@@ -294,33 +298,42 @@ class _Llamaish:
     num_key_value_groups = 2
 
 
-def test_hf_attention_honours_no_mask_and_the_causal_mask_only(exported) -> None:
+def test_hf_attention_reads_no_mask_causal_padding_and_windows_and_refuses_the_rest(exported) -> None:
     _, module = exported
     causal = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
-    assert module.hf.mask_causal(causal, 6, 6) is True
-    assert module.hf.mask_causal(torch.ones(2, 1, 6, 6, dtype=torch.bool), 6, 6) is False
+    plan = module.hf.mask_plan(causal, 2, 6, 6)
+    assert plan.causal is True and plan.features == module.features.PLAIN and plan.seqlens_k is None
+    assert module.hf.mask_plan(torch.ones(2, 1, 6, 6, dtype=torch.bool), 2, 6, 6).causal is False
     additive = torch.zeros(2, 1, 6, 6).masked_fill(~causal, torch.finfo(torch.float32).min)
-    assert module.hf.mask_causal(additive, 6, 6) is True
-    assert module.hf.mask_causal(torch.ones(1, 1, 1, 9, dtype=torch.bool), 1, 9) is False  # decode: the whole cache
+    assert module.hf.mask_plan(additive, 2, 6, 6).causal is True
+    assert module.hf.mask_plan(torch.ones(1, 1, 1, 9, dtype=torch.bool), 2, 1, 9).causal is False  # decode: the whole cache
     padded = causal.clone()
-    padded[1, :, :, 0] = False
+    padded[1, :, :, 0] = False  # left padding of one token in the second row
+    plan = module.hf.mask_plan(padded, 2, 6, 6)
+    assert plan.causal and plan.leftpad_k.tolist() == [0, 1] and plan.seqlens_k is None
     q = _cpu(2, 4, 6, 64)
     kv = _cpu(2, 2, 6, 64)
-    for mask, message in ((padded, "masks positions other than the plain causal pattern"),
-                          (torch.ones(1, 1, 3, 9, dtype=torch.bool).tril(diagonal=6), "plain causal pattern"),  # bottom-right
+    scattered = causal.clone()
+    scattered[1, :, 4, 2] = False
+    packed = torch.block_diag(torch.ones(3, 3), torch.ones(3, 3)).bool().view(1, 1, 6, 6) & causal  # two sequences
+    for mask, message in ((scattered, "is not padding"), (packed, "is not padding"),
                           (additive + 0.5, "general additive bias")):
         with pytest.raises(ValueError, match="^hf_attention: .*" + message):
             module.hf_attention(_Llamaish(), q if mask.shape[-2] == 6 else _cpu(2, 4, 3, 64),
                                 kv if mask.shape[-1] == 6 else _cpu(2, 2, 9, 64), kv if mask.shape[-1] == 6 else _cpu(2, 2, 9, 64), mask)
     with pytest.raises(ValueError, match="^hf_attention: dropout 0.1 is not supported"):
         module.hf_attention(_Llamaish(), q, kv, kv, None, dropout=0.1)
-    with pytest.raises(ValueError, match="logit soft-capping"):
-        module.hf_attention(_Llamaish(), q, kv, kv, None, softcap=30.0)
-    with pytest.raises(ValueError, match="sliding window"):
-        module.hf_attention(_Llamaish(), q, kv, kv, None, sliding_window=4)
-    # accepted masks and GQA (K/V repeated for kernels without a K/V head count) reach the kernel's checks
-    with pytest.raises(ValueError, match="CUDA tensors"):
-        module.hf_attention(_Llamaish(), q, kv, kv, additive, scaling=0.125)
+    with pytest.raises(ValueError, match="attention sinks"):
+        module.hf_attention(_Llamaish(), q, kv, kv, None, s_aux=torch.zeros(4))
+    # accepted masks, soft-capping, windows and GQA (K/V repeated for kernels without a K/V head count)
+    # reach the kernel's checks
+    for mask, extra in ((additive, {}), (padded, {}), (None, {"softcap": 30.0}), (None, {"sliding_window": 4})):
+        with pytest.raises(ValueError, match="CUDA tensors"):
+            module.hf_attention(_Llamaish(), q, kv, kv, mask, scaling=0.125, **extra)
+    # queries after a cache, causal aligned bottom-right, is a window (left, right) aligned top-left
+    after_cache = torch.ones(1, 1, 3, 9, dtype=torch.bool).tril(diagonal=6)
+    plan = module.hf.mask_plan(after_cache, 2, 3, 9)
+    assert not plan.causal and (plan.features.window_left, plan.features.window_right) == (2, 6)
 
 
 def test_register_hf_registers_the_function_and_sdpas_masks(exported) -> None:

@@ -88,13 +88,15 @@ def gate_cases(space: Space, variant: Variant) -> list[Case]:
     gqa = any(c.heads_kv != c.heads for c in cases)
     kv_len = any(c.seq_kv != c.seq for c in cases)
     d, causal, dtype = variant.head_dim, variant.causal, variant.dtype
-    cases += [Case(b, h, s, d, causal, dtype=dtype) for b, h, s in EDGE_SEQS]
+    # a variant with features: the edge shapes with the first case's soft cap and window
+    extra = {"softcap": cases[0].softcap, "window": cases[0].window} if cases and variant.features else {}
+    cases += [Case(b, h, s, d, causal, dtype=dtype, **extra) for b, h, s in EDGE_SEQS]
     if gqa:
-        cases += [Case(b, h, s, d, causal, heads_kv=kv, dtype=dtype) for b, h, kv, s in EDGE_GQA]
+        cases += [Case(b, h, s, d, causal, heads_kv=kv, dtype=dtype, **extra) for b, h, kv, s in EDGE_GQA]
     if kv_len:
-        cases += [Case(b, h, s, d, causal, dtype=dtype, seq_kv=skv) for b, h, s, skv in EDGE_KV]
+        cases += [Case(b, h, s, d, causal, dtype=dtype, seq_kv=skv, **extra) for b, h, s, skv in EDGE_KV]
     if kv_len and gqa:
-        cases += [Case(b, h, s, d, causal, heads_kv=kv, dtype=dtype, seq_kv=skv) for b, h, kv, s, skv in EDGE_GQA_KV]
+        cases += [Case(b, h, s, d, causal, heads_kv=kv, dtype=dtype, seq_kv=skv, **extra) for b, h, kv, s, skv in EDGE_GQA_KV]
     return list(dict.fromkeys(cases))
 
 
@@ -180,6 +182,24 @@ def _random_inputs(case: Case, seed: int) -> tuple[Any, Any, Any]:
     return tuple(torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for shape in shapes)  # type: ignore[return-value]
 
 
+def case_features(case: Case) -> dict[str, Any]:
+    """The feature arguments of a case's launches (empty for a plain case)."""
+    if not case.features:
+        return {}
+    return {"softcap": case.softcap, "window_left": case.window[0], "window_right": case.window[1]}
+
+
+def case_reference(q: Any, k: Any, v: Any, case: Case, scale: float | None) -> Any:
+    """The fp32 reference of a case: ``reference``, or for a case with a soft cap or a window the
+    runtime's explicit-mask computation (``runtime.features.reference_attention``)."""
+    if not case.features:
+        return reference(q, k, v, case.causal, scale)
+    from ..runtime.features import CallFeatures, reference_attention
+
+    features = CallFeatures(case.window[0], case.window[1], case.softcap)
+    return reference_attention(q.float(), k.float(), v.float(), case.causal, scale, True, features)
+
+
 def reference(q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> Any:
     """SDPA in fp32 on the same inputs; k and v with fewer heads than q are repeated per
     group of query heads (what ``enable_gqa=True`` means)."""
@@ -219,12 +239,13 @@ def gate_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
     worst_abs, worst_l2 = 0.0, 0.0
     for trial in range(trials):
         q, k, v = _random_inputs(case, seed + trial)
-        ref = reference(q, k, v, case.causal, scale)
+        ref = case_reference(q, k, v, case, scale)
         originals = (q.clone(), k.clone(), v.clone())
         out = torch.full_like(q, float("nan"))
         torch.cuda.synchronize()
+        extra = {"features": case_features(case)} if case.features else {}
         try:
-            launcher(q, k, v, out, scale)
+            launcher(q, k, v, out, scale, **extra)
         except _KernelFault:
             raise
         except Exception as exc:  # noqa: BLE001 - a launch that raises is a launch failure, not a dead search
@@ -284,11 +305,12 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
     import torch
 
     sets = input_sets(case, timing["flush_l2"], seed)
-    ops = [lambda s=s: launcher(s[0], s[1], s[2], s[3], scale) for s in sets]
+    extra = {"features": case_features(case)} if case.features else {}
+    ops = [lambda s=s: launcher(s[0], s[1], s[2], s[3], scale, **extra) for s in sets]
     expected = None
     if tolerance is not None:
         q, k, v, out = sets[0]
-        launcher(q, k, v, out, scale)
+        launcher(q, k, v, out, scale, **extra)
         torch.cuda.synchronize()
         expected = out.float()
 
@@ -318,7 +340,7 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
 def _time_job(launcher: Any, job: dict) -> dict:
     case: Case = job["case"]
     seed = case_seed(job["seed"], job["key"], case)
-    raw = lambda q, k, v, out, scale: launcher(q, k, v, out, scale, checked=False)  # noqa: E731
+    raw = lambda q, k, v, out, scale, **kw: launcher(q, k, v, out, scale, checked=False, **kw)  # noqa: E731
     answer = time_launcher(raw, case, job["scale"], job["timing"], seed, tolerance=(job["atol"], job["rtol"]))
     if answer["status"] != "ok":
         return {"status": answer["status"], "reason": f"{case.label()}: {answer['reason']}"}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..kernels import Rendered
+from ..kernels.render import FEATURE_ARGS
 from .tensormap import MapStorage, TensorMapError, check_address, driver, map_geometry, pack_arguments
 
 LOG2E = 1.4426950408889634
@@ -78,11 +79,13 @@ class AttentionKernel:
                 raise LaunchError(str(exc)) from None
 
     def __call__(self, q: Any, k: Any, v: Any, out: Any, scale: float | None = None, *, checked: bool = True,
-                 workspace: Any = None) -> Any:
+                 workspace: Any = None, features: dict[str, Any] | None = None) -> Any:
         """Run attention(q, k, v) into ``out`` on torch's current stream; returns ``out``.
         k and v may have fewer heads than q (grouped-query attention, as SDPA's ``enable_gqa``).
         ``workspace``: a caller's float32 CUDA tensor of at least the declared workspace, passed as
-        ``WS`` instead of the kernel's own (a ``WRITE_LSE`` forward leaves the row log-sum-exp there)."""
+        ``WS`` instead of the kernel's own (a ``WRITE_LSE`` forward leaves the row log-sum-exp there).
+        ``features``: values of the arguments of a kernel with compile-time features (``softcap``,
+        ``window_left``, ``window_right``, tensors ``seqlens_k``, ``leftpad_k``); left out: off."""
         import cupy
         import torch
 
@@ -112,8 +115,9 @@ class AttentionKernel:
                 counter = torch.empty(words, dtype=torch.int32, device=q.device)
                 counter[:zeroed].zero_()
             ws_ptr = counter.data_ptr()
+        extra = feature_values(features)
         if self._maps is not None:
-            values = argument_values(q, k, v, out, ws_ptr, scale * LOG2E)
+            values = {**argument_values(q, k, v, out, ws_ptr, scale * LOG2E), **extra}
             self._launch_with_maps(q, k, v, out, values)
             del counter  # the launch is queued: the counter's memory may go back to torch's allocator
             return out
@@ -123,6 +127,8 @@ class AttentionKernel:
             cupy.int32(batch), cupy.int32(heads), cupy.int32(k.shape[1]), cupy.int32(seq_q), cupy.int32(seq_k),
             *(cupy.int64(s) for t in (q, k, v, out) for s in t.stride()[:3]),
             cupy.float32(scale * LOG2E),
+            *({"ptr": cupy.uint64, "i32": cupy.int32, "f32": cupy.float32}[kind](extra[name])
+              for feature in self.rendered.features for name, kind in FEATURE_ARGS[feature]),
         )
         with cupy_stream(torch.cuda.current_stream(q.device)):
             for launch, fn in zip(self.rendered.launches, self._functions):
@@ -175,6 +181,17 @@ def argument_values(q: Any, k: Any, v: Any, out: Any, ws_ptr: int, scale_log2: f
     }
     for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
         values.update({f"{name}_sb": t.stride(0), f"{name}_sh": t.stride(1), f"{name}_ss": t.stride(2)})
+    return values
+
+
+def feature_values(features: dict[str, Any] | None) -> dict[str, int | float]:
+    """The feature arguments of a call by name (tensors as their data pointers), off where left out."""
+    given = dict(features or {})
+    values: dict[str, int | float] = {"softcap": 0.0, "window_left": -1, "window_right": -1, "seqlens_k": 0, "leftpad_k": 0}
+    for name, value in given.items():
+        if name not in values:
+            raise LaunchError(f"unknown feature argument {name!r}")
+        values[name] = 0 if value is None else value.data_ptr() if hasattr(value, "data_ptr") else value
     return values
 
 

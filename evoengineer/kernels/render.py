@@ -57,6 +57,14 @@ bf16 bits, per the variant's dtype). ``H`` counts query heads, ``H_kv`` K/V head
 ``H``; grouped-query attention reads K/V head ``h / (H / H_kv)`` for query head ``h``). Strides
 are in elements; the last dimension is contiguous. ``scale_log2`` is the softmax scale times
 log2(e)."""
+FEATURE_ARGS = {
+    "seqlens": [("seqlens_k", "ptr"), ("leftpad_k", "ptr")],
+    "softcap": [("softcap", "f32")],
+    "window": [("window_left", "i32"), ("window_right", "i32")],
+}
+"""Arguments a kernel with a compile-time feature takes after ``KERNEL_ARGS`` (per feature, in
+sorted feature order): per-batch key ranges (int32 pointers, null: none), the soft cap, the
+window's sides (``runtime.features``)."""
 
 
 @dataclass(frozen=True)
@@ -149,8 +157,18 @@ class Rendered:
 
     @property
     def arguments(self) -> list[tuple[str, str]]:
-        """(name, kind) of every kernel parameter: ``KERNEL_ARGS``, then one ``tmap`` per tensor map."""
-        return parameter_kinds(KERNEL_ARGS) + [(m.arg, "tmap") for m in self.tensor_maps]
+        """(name, kind) of every kernel parameter: ``KERNEL_ARGS``, the arguments of its features
+        (``FEATURE_ARGS``, in the order of ``runtime.features.SWITCHES``), then one ``tmap`` per
+        tensor map."""
+        return (parameter_kinds(KERNEL_ARGS) + [a for name in self.features for a in FEATURE_ARGS[name]]
+                + [(m.arg, "tmap") for m in self.tensor_maps])
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The compile-time features its ``// FEATURES`` line declares that add arguments (sorted)."""
+        declared = {word for line in self.source.splitlines() if line.startswith("// FEATURES ")
+                    for word in line.split()[2:]}
+        return tuple(sorted(declared & set(FEATURE_ARGS)))
 
     @property
     def source_hash(self) -> str:
@@ -211,10 +229,12 @@ def render(template: str, config: Config, variant: Variant, directory: str | Pat
     except jinja2.TemplateNotFound as exc:
         raise RenderError(f"no template {template!r} in {where} (have: {', '.join(template_names(where))})") from exc
     dtype = "" if variant.dtype == "fp16" else f" DTYPE={variant.dtype}"
+    switches = {name.upper(): 1 for name in getattr(variant, "features", ())}
+    dtype += "".join(f" {name}=1" for name in switches)
     header = f"// evoengineer: template={template} {config.label()} HEAD_DIM={variant.head_dim} CAUSAL={int(variant.causal)}{dtype}\n"
     try:
         body = tmpl.render(
-            **config.to_dict(),
+            **{**config.to_dict(), **switches},
             HEAD_DIM=variant.head_dim,
             CAUSAL=variant.causal,
             DTYPE=variant.dtype,

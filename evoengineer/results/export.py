@@ -38,7 +38,7 @@ from .per_shape import (
 
 MODULE_NAME = "evo_attention"
 
-from ..runtime.kernel_file import POINTER_ARGS
+from ..runtime.kernel_file import FEATURE_ARGS, POINTER_ARGS
 from ..runtime.kernel_file import SCALAR_ARGS as KNOWN_SCALARS
 
 RUNTIME_DIR = Path(runtime.__file__).resolve().parent
@@ -59,8 +59,9 @@ class KernelSpec:
     args: list[tuple[str, str]]
 
     @property
-    def key(self) -> tuple[str, int, bool, str]:
-        return (self.dtype, self.variant.head_dim, self.variant.causal, self.config_id)
+    def key(self) -> tuple:
+        features = tuple(getattr(self.variant, "features", ()))
+        return (self.dtype, self.variant.head_dim, self.variant.causal, self.config_id, *((features,) if features else ()))
 
     @property
     def features(self) -> list[str]:
@@ -100,7 +101,7 @@ def kernel_args(source: str, kernel: str) -> list[tuple[str, str]]:
             if name not in declared:
                 raise ExportError(f"kernel {kernel!r}: tensor map parameter {name!r} has no '// TENSOR_MAP' line")
             continue
-        known = POINTER_ARGS if kind == "ptr" else KNOWN_SCALARS
+        known = POINTER_ARGS + FEATURE_ARGS[:2] if kind == "ptr" else KNOWN_SCALARS + FEATURE_ARGS[2:]
         if name not in known:
             raise ExportError(f"kernel {kernel!r}: parameter {name!r} is not one the module knows how to fill "
                               f"(pointers {', '.join(POINTER_ARGS)}; scalars {', '.join(KNOWN_SCALARS)})")
@@ -160,18 +161,21 @@ def export_runs(runs: Sequence[Path], out: Path, module_name: str = MODULE_NAME,
     for run in per.runs:
         for variant in run.variants():
             all_variants.setdefault((variant_dtype(variant, run.space), variant.head_dim, variant.causal), variant)
-    wanted: dict[str, set[tuple[str, int, bool]]] = {}
-    for winner in per.winners:
-        wanted.setdefault(winner.config, set()).add(winner.shape.variant_key)
-    wanted.setdefault(per.fallback, set()).update(all_variants)
+    wanted: dict[str, set[tuple[str, int, bool, tuple[str, ...]]]] = {}
+    for winner in per.winners:  # a case with features: its winner with them (and without, for the dispatch table)
+        wanted.setdefault(winner.config, set()).update({(*winner.shape.variant_key, ()),
+                                                        (*winner.shape.variant_key, winner.shape.features)})
+    wanted.setdefault(per.fallback, set()).update((*key, ()) for key in all_variants)
     specs: list[KernelSpec] = []
     notes = list(per.notes)
     for cid, keys in wanted.items():
         config = per.configs[cid]
         run = run_of[config.run]
-        for dtype, head_dim, causal in sorted(keys):
+        for dtype, head_dim, causal, features in sorted(keys):
             base = all_variants.get((dtype, head_dim, causal)) or next(iter(run.variants()))
             variant = _variant_like(base, dtype, head_dim, causal)
+            if features:
+                variant = replace(variant, features=features)
             try:
                 specs.append(_spec(run, config, variant))
             except RenderError as exc:
@@ -179,7 +183,40 @@ def export_runs(runs: Sequence[Path], out: Path, module_name: str = MODULE_NAME,
                                               for w in per.winners):
                     raise ExportError(f"{cid}: {exc}") from None
                 notes.append(f"fallback {cid} does not render for {dtype} D{head_dim}{' causal' if causal else ''}: {exc}")
+    order = [per.fallback, *sorted(c for c in per.configs if c != per.fallback)]
+    specs += _every_feature_specs([(per.configs[c], run_of[per.configs[c].run]) for c in order],
+                                  list(all_variants.values()), specs, notes)
     return _write(out, module_name, per, specs, mode="per-shape", notes=notes, measured=None, backward=backward)
+
+
+def _every_feature_specs(candidates: list[tuple[MeasuredConfig, RunInfo]], variants: list[Variant],
+                         specs: list[KernelSpec], notes: list[str]) -> list[KernelSpec]:
+    """Per plain variant without one yet, a kernel with every feature (per-batch key ranges,
+    soft-capping, a window: padding and sliding windows from ``hf_attention``), of the first
+    candidate configuration that renders it (the mma path's), so that calls with features find
+    a kernel in any export; a note where none does."""
+    from ..kernels import RenderError
+    from ..runtime.features import SWITCHES
+
+    have = {(s.dtype, s.variant.head_dim, s.variant.causal) for s in specs
+            if set(getattr(s.variant, "features", ())) >= set(SWITCHES)}
+    out: list[KernelSpec] = []
+    for base in variants:
+        if not hasattr(base, "features"):
+            continue
+        for config, run in candidates:
+            variant = replace(base, features=SWITCHES)
+            if (variant_dtype(variant, run.space), variant.head_dim, variant.causal) in have:
+                break
+            try:
+                out.append(_spec(run, config, variant))
+                break
+            except (RenderError, ExportError):
+                continue
+        else:
+            notes.append(f"no configuration renders {base.label()} with {', '.join(SWITCHES)}: calls with these features "
+                         "run the fallback, if asked")
+    return out
 
 
 def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_name: str = MODULE_NAME,
@@ -197,9 +234,11 @@ def export_entry(run_path: Path, entry: dict, board: dict, out: Path, module_nam
             winners.append(CaseWinner(case["label"], shape, config.id, float(case["median_us"]), str(run.path), 1))
     per = PerShape([run], winners, {config.id: config}, config.id)
     specs = [_spec(run, config, variant) for variant in run.variants()]
+    notes: list[str] = []
+    specs += _every_feature_specs([(config, run)], run.variants(), specs, notes)
     measured = {"rank": entry["rank"], "cases": entry["cases"], "geomean_us": entry["geomean_us"],
                 "speedup_vs_sdpa": entry["speedup"], "retimed": board.get("retimed"), "resources": entry.get("resources", {})}
-    return _write(out, module_name, per, specs, mode="rank", notes=[], measured=measured, backward=backward)
+    return _write(out, module_name, per, specs, mode="rank", notes=notes, measured=measured, backward=backward)
 
 
 def check_module_name(name: str) -> None:
@@ -244,9 +283,10 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
         written.append(path)
     backward_info, backward_files = _backward(out, module_name, specs, backward or BackwardChoice())
     written += backward_files
-    have = {(s.dtype, s.variant.head_dim, s.variant.causal): set() for s in specs}
+    have: dict[tuple[str, int, bool], set[str]] = {(s.dtype, s.variant.head_dim, s.variant.causal): set() for s in specs}
     for s in specs:
-        have[(s.dtype, s.variant.head_dim, s.variant.causal)].add(s.config_id)
+        if not getattr(s.variant, "features", ()):  # the dispatch table names configurations with a plain kernel
+            have[(s.dtype, s.variant.head_dim, s.variant.causal)].add(s.config_id)
     dispatch: dict[tuple[str, int, bool], tuple[str, list[Any]]] = {}
     for vkey, ids in sorted(have.items()):
         cases = [w for w in per.winners if w.shape.variant_key == vkey and w.config in ids]
@@ -314,8 +354,9 @@ def _backward(out: Path, module_name: str, specs: list[KernelSpec], choice: Back
     if not choice.enabled:
         return None, []
     variants: dict[tuple[str, int, bool], Variant] = {}
-    for spec in specs:
-        variants.setdefault((spec.dtype, spec.variant.head_dim, spec.variant.causal), spec.variant)
+    for spec in specs:  # the backward kernels have no features: each variant's plain form
+        plain = replace(spec.variant, features=()) if getattr(spec.variant, "features", ()) else spec.variant
+        variants.setdefault((spec.dtype, spec.variant.head_dim, spec.variant.causal), plain)
     configs: dict[str, dict] = {}
     forward_kernels, kernels, entries, notes, written = [], [], [], [], []
     for (dtype, head_dim, causal), variant in sorted(variants.items()):

@@ -51,6 +51,8 @@ class Shape:
     seq_k: int
     head_dim: int
     causal: bool
+    features: tuple[str, ...] = ()
+    """Kernel features the case needs (soft-capping, a window): its winner ships a kernel with them."""
 
     @property
     def variant_key(self) -> tuple[str, int, bool]:
@@ -101,6 +103,7 @@ def case_shape(case: Case, space: Space) -> Shape:
         seq_k=int(getattr(case, "seq_kv", None) or getattr(case, "seq_k", None) or seq),
         head_dim=case.head_dim,
         causal=bool(case.causal),
+        features=tuple(getattr(case, "features", ())),
     )
 
 
@@ -113,9 +116,14 @@ def parse_label(label: str, default_dtype: str = "fp16") -> Shape | None:
     it is not one."""
     dims: dict[str, int] = {}
     causal, dtype = False, _DTYPE_ALIASES.get(str(default_dtype).lower(), default_dtype)
+    features: set[str] = set()
     for token in label.split():
         if token == "causal":
             causal = True
+        elif re.fullmatch(r"softcap\d+(\.\d+)?", token):
+            features.add("softcap")
+        elif (w := re.fullmatch(r"window(-1|\d+),(-1|\d+)", token)) is not None:
+            features.add("window" if w.group(1) != "-1" else "window?")
         elif token.lower() in _DTYPE_ALIASES:
             dtype = _DTYPE_ALIASES[token.lower()]
         elif (m := _TOKEN.match(token)) is not None:
@@ -131,7 +139,12 @@ def parse_label(label: str, default_dtype: str = "fp16") -> Shape | None:
     seq_q, seq_k = dims.get("Sq", dims.get("S")), dims.get("Sk", dims.get("S"))
     if not all(k in dims for k in ("B", "H", "D")) or seq_q is None or seq_k is None:
         return None
-    return Shape(dtype, dims["B"], dims["H"], dims.get("Hkv", dims["H"]), seq_q, seq_k, dims["D"], causal)
+    if "window?" in features:  # only a right side: a window unless causal stops at the diagonal anyway
+        features.discard("window?")
+        if not causal:
+            features.add("window")
+    return Shape(dtype, dims["B"], dims["H"], dims.get("Hkv", dims["H"]), seq_q, seq_k, dims["D"], causal,
+                 tuple(sorted(features)))
 
 
 @dataclass
@@ -165,8 +178,8 @@ class RunInfo:
 
         seen: dict[Any, None] = {}
         for variant in self.space.variants:
-            for causal in (False, True):
-                seen.setdefault(replace(variant, causal=causal))
+            for causal in (False, True):  # plain kernels; those with features go to the cases that need them
+                seen.setdefault(replace(variant, causal=causal, **({"features": ()} if hasattr(variant, "features") else {})))
         return sorted(seen, key=lambda v: (variant_dtype(v, self.space), v.head_dim, v.causal))
 
 

@@ -26,6 +26,12 @@ torch.use_deterministic_algorithms(True), runs a backward whose gradients are bi
 to run. A double backward, and a gradient of a variant no exported backward covers, are refused
 in one line.
 
+Features, keywords as flash-attn's: window_size=(left, right), softcap=, and per-batch key
+ranges seqlens_k=, leftpad_k= (int32 (batch,) tensors: padding), served by kernels exported with
+those features (kernel.json lists each kernel's); fallback='sdpa' runs SDPA for a call no kernel
+covers, counted per reason by fallback_counts() and explain() (features.py). The backward kernels
+have no features: a call with features whose inputs require grad is refused in one line.
+
 Each kernel is compiled at first use by NVRTC (cupy.RawModule) for the GPU present and launched
 with cupy.cuda.driver.launchKernel on torch's current stream, reading and writing the tensors in
 place through their strides; kernels that load by TMA also take tensor maps (cuTensorMapEncodeTiled
@@ -80,6 +86,10 @@ else:  # a copy in an export directory: serve the kernel.json beside this packag
     BACKWARD_CONFIGS = _export.backward_configs()
     hf_attention = _export.hf_attention
     register_hf = _export.register_hf
+    fallback_counts = _export.fallback_counts
+    attention_features_op = _export.features_op
+    """torch.ops.<OP_NAMESPACE>.attention_features.default: a call with a window, soft cap,
+    per-batch key ranges or a fallback through the dispatcher."""
     OP_NAMESPACE = _export.data.op_namespace
     ARCH = _export.data.arch
     """The GPU architecture searched on; kernels compile for the GPU present."""
@@ -91,7 +101,7 @@ else:  # a copy in an export directory: serve the kernel.json beside this packag
     HEAD_DIMS = _export.data.head_dims
     GQA = _export.gqa
     """Whether every kernel takes a K/V head count (grouped-query attention without copies)."""
-    __all__ = ["attention", "attention_op", "attention_lse_op", "attention_backward_op", "dispatch", "dispatch_backward",
-               "explain", "explain_backward", "compile_all", "hf_attention", "register_hf", "set_deterministic",
-               "BACKWARD", "BACKWARD_CONFIGS", "CONFIGS", "DISPATCH", "DISPATCH_RULE", "GQA", "KERNELS", "OP_NAMESPACE",
-               "LOG2E"]
+    __all__ = ["attention", "attention_op", "attention_lse_op", "attention_backward_op", "attention_features_op",
+               "dispatch", "dispatch_backward", "explain", "explain_backward", "compile_all", "fallback_counts",
+               "hf_attention", "register_hf", "set_deterministic", "BACKWARD", "BACKWARD_CONFIGS", "CONFIGS",
+               "DISPATCH", "DISPATCH_RULE", "GQA", "KERNELS", "OP_NAMESPACE", "LOG2E"]

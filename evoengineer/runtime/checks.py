@@ -7,6 +7,7 @@ import torch
 
 from .backward_file import BackwardData
 from .dispatch import Variant
+from .features import Uncovered, UncoveredDtype
 
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {t: name for name, t in TORCH_DTYPES.items()}
@@ -26,7 +27,9 @@ class Coverage:
 
 def check_inputs(coverage: Coverage, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None,
                  enable_gqa: bool) -> None:
-    """TypeError or ValueError (``attention: ...``, one line) unless the export can serve this call."""
+    """TypeError or ValueError (``attention: ...``, one line) unless the export can serve this call;
+    ``features.Uncovered`` where the call is well-formed but no kernel covers it (dtype, head dim,
+    GQA, device): what a fallback may serve."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -37,13 +40,13 @@ def check_inputs(coverage: Coverage, q: Any, k: Any, v: Any, is_causal: bool, sc
     dtype = DTYPE_NAMES.get(q.dtype)
     if dtype not in coverage.dtypes:
         listed = ", ".join(str(TORCH_DTYPES[d]) for d in coverage.dtypes)
-        raise TypeError(f"attention: dtype {q.dtype} has no exported kernel; this module covers {listed}")
+        raise UncoveredDtype(f"attention: dtype {q.dtype} has no exported kernel; this module covers {listed}")
     head_dim = int(q.shape[-1])
     if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
         raise ValueError(f"attention: q, k and v must have one head_dim, got q {head_dim}, k {k.shape[-1]}, v {v.shape[-1]}")
     variant = (dtype, head_dim, bool(is_causal))
     if variant not in coverage.variant_gqa:
-        raise ValueError(f"attention: no exported kernel for {dtype} head_dim {head_dim}"
+        raise Uncovered(f"attention: no exported kernel for {dtype} head_dim {head_dim}"
                          f"{' causal' if is_causal else ''}; this module covers {coverage.covered()}")
     if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"attention: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
@@ -56,7 +59,7 @@ def check_inputs(coverage: Coverage, q: Any, k: Any, v: Any, is_causal: bool, sc
         if heads_kv == 0 or heads % heads_kv:
             raise ValueError(f"attention: q's heads ({heads}) must be a multiple of k and v's heads ({heads_kv})")
         if not coverage.variant_gqa[variant]:
-            raise ValueError(f"attention: k and v have {heads_kv} heads and q {heads}, but this export's kernels take no "
+            raise Uncovered(f"attention: k and v have {heads_kv} heads and q {heads}, but this export's kernels take no "
                              f"K/V head count (no grouped-query attention); repeat k and v to {heads} heads "
                              f"(k.repeat_interleave({heads // heads_kv}, dim=1)) or export from templates with GQA support")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -67,9 +70,8 @@ def check_inputs(coverage: Coverage, q: Any, k: Any, v: Any, is_causal: bool, sc
         raise ValueError(f"attention: scale must be positive, got {scale}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"attention: q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.device.type not in ("cuda", "meta"):
-        raise ValueError(f"attention: q, k and v must be CUDA tensors, got device {q.device} (meta tensors give the "
-                         "outputs' shapes only)")
+    if q.device.type not in ("cuda", "meta"):  # meta tensors: the outputs' shapes only (fake implementations)
+        raise Uncovered(f"attention: q, k and v must be CUDA tensors, got device {q.device}")
 
 
 def check_grad(backward: BackwardData | None, dtype: str, head_dim: int, causal: bool, who: str = "attention") -> None:

@@ -1,5 +1,5 @@
 """One export's runtime: its kernel.json read, the dispatch table, the kernels, the launchers
-(inference, LSE forward and backward), the custom ops and the functions a user calls, tied together."""
+(inference, LSE forward and backward, calls with features), the custom ops and the functions a user calls, tied together."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +14,7 @@ from .kernel_file import ExportData, read_kernel_file
 from .backward_launch import BackwardLauncher
 from .launch import Launcher
 from .loading import KernelCache
-from .op import Settings, grad_checker, make_attention, register_ops
+from .op import Settings, grad_checker, make_attention, make_feature_attention, register_features_op, register_ops
 
 KERNEL_FILE = "kernel.json"
 
@@ -35,7 +35,10 @@ class ExportedAttention:
                                 self.backward.run_backward, self.coverage, grad_checker(data.backward))
         self.op = self.ops.attention
         self.settings = Settings()
-        self.attention = make_attention(self.launcher.forward, self.ops, self.settings)
+        self.features_op = register_features_op(data.op_namespace, self.launcher.forward_features, self.coverage)
+        self.attention = make_feature_attention(make_attention(self.launcher.forward, self.ops, self.settings),
+                                                self.launcher.forward_features, self.features_op,
+                                                self.launcher.features_with_grad)
         self.hf_attention = make_hf_attention(self.attention, self.gqa)
         self.explain = self.launcher.explain
         self.explain_backward = self.backward.explain
@@ -73,9 +76,19 @@ class ExportedAttention:
             index = device if isinstance(device, int) else (torch.device(device).index or 0)
         return self.kernels.compile_all(index)
 
-    def register_hf(self, name: str = "evo") -> str:
-        """Register ``hf_attention`` with transformers under ``name``; returns ``name``."""
-        return register_hf(self.hf_attention, name)
+    def register_hf(self, name: str = "evo", fallback: str | None = None) -> str:
+        """Register ``hf_attention`` with transformers under ``name``; returns ``name``. With
+        ``fallback="sdpa"`` a call no kernel serves (a mask the kernels cannot express, a head dim
+        not exported, ...) runs SDPA, counted in ``fallback_counts()``; by default it raises."""
+        from .features import check_fallback
+
+        hf = self.hf_attention if check_fallback(fallback) is None else make_hf_attention(self.attention, self.gqa, fallback,
+                                                                                   self.launcher.fallbacks)
+        return register_hf(hf, name)
+
+    def fallback_counts(self, reset: bool = False) -> dict[str, int]:
+        """Calls that ran the SDPA fallback so far, per reason (``reset``: start counting anew)."""
+        return self.launcher.fallbacks.snapshot(reset)
 
     # -- the tables as plain values ------------------------------------------------------------
 

@@ -1,70 +1,131 @@
 """Hugging Face transformers: ``hf_attention`` as an ``AttentionInterface`` function and its
-registration with sdpa's mask builder."""
+registration with sdpa's mask builder.
+
+The 4-D masks sdpa's builder passes are read as the kernels' terms where that is exact:
+per batch a key range [leftpad_k, seqlens_k) (left and right padding), top-left causal, and a
+sliding window (left, right). ``mask_plan`` derives those terms and rebuilds the mask from them;
+only a mask equal to its rebuild is served, any other is refused in one line (or, with
+``fallback="sdpa"``, runs SDPA with the mask as given, counted).
+"""
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from .features import PLAIN, CallFeatures, FallbackCounts, allowed_keys, attend, check_fallback
+
 UNSUPPORTED_KWARGS = {
-    "softcap": "logit soft-capping",
-    "sliding_window": "a sliding window",
     "position_bias": "a position bias",
     "s_aux": "attention sinks",
     "sinks": "attention sinks",
 }
-_MASK_SEEN: list[Any] = [None]  # (weak reference to the mask, its version, q_len, kv_len, causal?) of the last mask
+_MASK_SEEN: list[Any] = [None]  # (weak reference to the mask, its version, batch, q_len, kv_len, MaskPlan) of the last mask
 
 
-def mask_causal(mask: Any, q_len: int, kv_len: int) -> bool:
-    """False when ``mask`` masks nothing, True when it is exactly the top-left causal mask;
-    otherwise a ValueError naming what the kernels cannot honour."""
-    seen = _MASK_SEEN[0]
-    if seen is not None and seen[0]() is mask and seen[1:4] == (mask._version, q_len, kv_len):
-        return bool(seen[4])
+class MaskError(ValueError):
+    """A mask the kernels cannot express exactly (``str()``: one line)."""
+
+
+@dataclass(frozen=True)
+class MaskPlan:
+    """A mask in the kernels' terms: causal, a window, per-batch key ranges (None: none)."""
+
+    causal: bool
+    features: CallFeatures = PLAIN
+    seqlens_k: Any = None
+    leftpad_k: Any = None
+
+
+def allowed_from_mask(mask: Any, q_len: int, kv_len: int) -> Any:
+    """The boolean mask (True: attended) of an HF attention mask: boolean, or additive with 0 and
+    -inf/the dtype's minimum only; MaskError for a general bias, another dtype or shape."""
     if mask.dtype == torch.bool:
         allowed = mask
     elif mask.is_floating_point():
         allowed = mask == 0
         if not bool((allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
-            raise ValueError("hf_attention: the attention mask is a general additive bias (values other than 0 and "
-                             "-inf/the dtype's minimum); the exported kernels take no bias; use attn_implementation='sdpa'")
+            raise MaskError("hf_attention: the attention mask is a general additive bias (values other than 0 and "
+                            "-inf/the dtype's minimum); the exported kernels take no bias; use attn_implementation='sdpa'")
     else:
-        raise ValueError(f"hf_attention: an attention mask of dtype {mask.dtype} is not understood")
-    if tuple(allowed.shape[-2:]) not in ((q_len, kv_len), (1, kv_len), (q_len, 1), (1, 1)):
-        raise ValueError(f"hf_attention: an attention mask of shape {tuple(mask.shape)} does not fit q_len {q_len}, "
-                         f"kv_len {kv_len}")
-    if bool(allowed.all()):
-        verdict = False
-    else:
-        tril = torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).tril()
-        if q_len > 1 and bool((allowed == tril).all()):
-            verdict = True
-        else:
-            raise ValueError(
-                "hf_attention: the attention mask masks positions other than the plain causal pattern (padding, a "
-                "sliding window, packed sequences, a static cache's unused slots, or queries after a cache with "
-                "bottom-right alignment); the exported kernels compute full or top-left causal attention only. "
-                "Use attn_implementation='sdpa' for such batches")
-    _MASK_SEEN[0] = (weakref.ref(mask), mask._version, q_len, kv_len, verdict)
-    return verdict
+        raise MaskError(f"hf_attention: an attention mask of dtype {mask.dtype} is not understood")
+    if allowed.dim() != 4 or tuple(allowed.shape[-2:]) not in ((q_len, kv_len), (1, kv_len), (q_len, 1), (1, 1)):
+        raise MaskError(f"hf_attention: an attention mask of shape {tuple(mask.shape)} does not fit q_len {q_len}, "
+                        f"kv_len {kv_len}")
+    return allowed
 
 
-def make_hf_attention(attention: Callable[..., Any], gqa: bool) -> Callable[..., Any]:
+def mask_plan(mask: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
+    """The mask in the kernels' terms (computed once per mask tensor); MaskError, one line, where
+    no causal flag, window and per-batch key range rebuild it exactly."""
+    seen = _MASK_SEEN[0]
+    if seen is not None and seen[0]() is mask and seen[1:5] == (mask._version, batch, q_len, kv_len):
+        return seen[5]
+    allowed = allowed_from_mask(mask, q_len, kv_len)
+    if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
+        raise MaskError("hf_attention: the attention mask differs between heads; the exported kernels take one mask "
+                        "per batch")
+    a = allowed[:, 0].expand(batch, q_len, kv_len)
+    plan = _plan(a, batch, q_len, kv_len)
+    _MASK_SEEN[0] = (weakref.ref(mask), mask._version, batch, q_len, kv_len, plan)
+    return plan
+
+
+def _plan(a: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
+    if bool(a.all()):
+        return MaskPlan(False)
+    device = a.device
+    seen_keys = a.any(dim=1)                                        # (batch, kv_len): keys some query sees
+    has = seen_keys.any(dim=1)
+    j = torch.arange(kv_len, device=device)
+    lo = torch.where(has, torch.where(seen_keys, j, kv_len).amin(dim=1), 0).to(torch.int32)
+    hi = torch.where(has, torch.where(seen_keys, j + 1, 0).amax(dim=1), 0).to(torch.int32)
+    leftpad = lo if bool((lo > 0).any()) else None
+    seqlens = hi if bool((hi < kv_len).any()) else None
+    candidates: list[tuple[bool, CallFeatures]] = [(False, PLAIN)]
+    if q_len > 1:
+        i = torch.arange(q_len, device=device).view(q_len, 1)
+        diff = (i - j.view(1, kv_len)).expand(batch, q_len, kv_len)   # query position - key position
+        causal = not bool((a & (diff < 0)).any())
+        left = int(diff[a].max())
+        right = int((-diff)[a].max())
+        candidates = [(causal, PLAIN)]
+        if left >= 0 and (causal or right >= 0):
+            candidates.append((causal, CallFeatures(window_left=left, window_right=-1 if causal else right)))
+    ranges = {"seqlens_k": seqlens, "leftpad_k": leftpad}
+    for causal, features in candidates:
+        rebuilt = allowed_keys(batch, q_len, kv_len, causal, features, seqlens, leftpad, device)[:, 0]
+        if torch.equal(rebuilt, a):
+            return MaskPlan(causal, features, **ranges)
+    raise MaskError(
+        "hf_attention: the attention mask is not padding (left or right), top-left causal and a sliding window; "
+        "the exported kernels express only those (packed sequences, a static cache's unused slots, queries after a "
+        "cache with bottom-right alignment are not): use attn_implementation='sdpa', or register_hf(fallback='sdpa')")
+
+
+def make_hf_attention(attention: Callable[..., Any], gqa: bool, fallback: str | None = None,
+                      counts: FallbackCounts | None = None) -> Callable[..., Any]:
     """``hf_attention`` over an export's ``attention``; ``gqa``: whether every kernel takes a K/V
-    head count (otherwise K/V are repeated to q's heads, as sdpa_attention_forward does)."""
+    head count (otherwise K/V are repeated to q's heads, as sdpa_attention_forward does);
+    ``fallback="sdpa"``: a mask the kernels cannot express runs SDPA (counted in ``counts``), and
+    ``attention`` is called with the same fallback."""
+    check_fallback(fallback)
 
     def hf_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,
                      dropout: float = 0.0, **kwargs: Any) -> tuple[Any, None]:
         """transformers' AttentionInterface function (as its sdpa_attention_forward): query (B, H,
         S_q, D), key and value (B, H_kv, S_k, D); returns (attn_output as (B, S_q, H, D), None).
 
-        Causal exactly when sdpa_attention_forward is: no mask, q_len > 1 and the module causal
-        (``is_causal`` kwarg, else ``module.is_causal``, default True); decode (q_len 1) attends
-        the whole cache. A mask is inspected (once per mask tensor): one that masks nothing, or
-        equals the top-left causal mask, is honoured; any other (padding, sliding window, a bias)
-        raises ValueError, as do dropout > 0, soft-capping, sinks and paged caches."""
+        Without a mask: causal exactly when sdpa_attention_forward is (q_len > 1 and the module
+        causal: ``is_causal`` kwarg, else ``module.is_causal``, default True), with a window of
+        ``sliding_window - 1`` keys back where the keys outnumber it (the flash-attention
+        integration's reading of the kwarg; a decode step sees the last ``sliding_window`` keys).
+        A mask is read once per mask tensor (``mask_plan``): padding, causal and a sliding window
+        are served; another mask raises ValueError (or runs SDPA with ``fallback``). ``softcap``
+        (kwarg, else ``module.attn_logit_softcapping``) caps the scores. Dropout > 0, sinks, a
+        position bias and paged caches raise ValueError."""
         if dropout:
             raise ValueError(f"hf_attention: dropout {dropout} is not supported (the kernels have no dropout; "
                              "evaluate with model.eval())")
@@ -73,14 +134,23 @@ def make_hf_attention(attention: Callable[..., Any], gqa: bool) -> Callable[...,
                 raise ValueError(f"hf_attention: {what} ({name}={kwargs[name]!r}) is not supported by the exported kernels")
         if kwargs.get("cache") is not None:
             raise ValueError("hf_attention: paged caches (continuous batching) are not supported")
-        q_len, kv_len = query.shape[2], key.shape[2]
-        module_causal = kwargs.get("is_causal")
-        if module_causal is None:
-            module_causal = getattr(module, "is_causal", True)
-        if attention_mask is None:
-            causal = q_len > 1 and bool(module_causal)
-        else:
-            causal = mask_causal(attention_mask, q_len, kv_len)
+        batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+        softcap = kwargs.get("softcap")
+        if softcap is None:
+            softcap = getattr(module, "attn_logit_softcapping", None)
+        softcap = float(softcap) if softcap else None
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = attention_mask[:, :, :, :kv_len]
+        try:
+            plan = _call_plan(module, attention_mask, batch, q_len, kv_len, kwargs, query.device)
+        except MaskError as exc:
+            if fallback is None:
+                raise
+            if counts is not None:
+                counts.add(str(exc).split(";")[0].removeprefix("hf_attention: "))
+            mask = attention_mask if attention_mask is not None else _window_mask(q_len, kv_len, kwargs, query.device)
+            out = attend(query, key, value, mask, scaling, softcap)
+            return out.transpose(1, 2).contiguous(), None
         heads, heads_kv = query.shape[1], key.shape[1]
         grouped = heads != heads_kv
         if grouped and not gqa:  # kernels without a K/V head count: repeat K/V as sdpa_attention_forward does
@@ -89,16 +159,56 @@ def make_hf_attention(attention: Callable[..., Any], gqa: bool) -> Callable[...,
             key = key[:, :, None].expand(b, heads_kv, groups, s, d).reshape(b, heads, s, d)
             value = value[:, :, None].expand(b, heads_kv, groups, s, d).reshape(b, heads, s, d)
             grouped = False
-        out = attention(query, key, value, is_causal=causal, scale=scaling, enable_gqa=grouped)
+        extra: dict[str, Any] = {}
+        if plan.features.window_left >= 0 or plan.features.window_right >= 0:
+            extra["window_size"] = (plan.features.window_left, plan.features.window_right)
+        if softcap:
+            extra["softcap"] = softcap
+        if plan.seqlens_k is not None:
+            extra["seqlens_k"] = plan.seqlens_k
+        if plan.leftpad_k is not None:
+            extra["leftpad_k"] = plan.leftpad_k
+        if fallback is not None:
+            extra["fallback"] = fallback
+        out = attention(query, key, value, is_causal=plan.causal, scale=scaling, enable_gqa=grouped, **extra)
         return out.transpose(1, 2).contiguous(), None
 
     return hf_attention
 
 
+def _window_mask(q_len: int, kv_len: int, kwargs: dict[str, Any], device: Any) -> Any:
+    """The causal sliding-window mask, aligned bottom-right (queries after a cache), as
+    (1, 1, q_len, kv_len) booleans."""
+    i = torch.arange(q_len, device=device).view(q_len, 1) + (kv_len - q_len)
+    j = torch.arange(kv_len, device=device).view(1, kv_len)
+    return ((j <= i) & (j > i - int(kwargs["sliding_window"]))).view(1, 1, q_len, kv_len)
+
+
+def _call_plan(module: Any, mask: Any, batch: int, q_len: int, kv_len: int, kwargs: dict[str, Any],
+               device: Any) -> MaskPlan:
+    """The call in the kernels' terms, from the mask or, without one, the module and kwargs."""
+    if mask is not None:
+        return mask_plan(mask, batch, q_len, kv_len)
+    module_causal = kwargs.get("is_causal")
+    if module_causal is None:
+        module_causal = getattr(module, "is_causal", True)
+    causal = q_len > 1 and bool(module_causal)
+    window = kwargs.get("sliding_window")
+    if window is None or kv_len <= int(window):
+        return MaskPlan(causal)
+    if q_len == 1:  # a decode step: the last `window` keys
+        start = torch.full((batch,), kv_len - int(window), dtype=torch.int32, device=device)
+        return MaskPlan(False, leftpad_k=start)
+    if not causal or q_len != kv_len:
+        raise MaskError(f"hf_attention: a sliding window ({window}) without a mask over {q_len} queries and {kv_len} "
+                        "keys (not causal, or after a cache) is not expressible")
+    return MaskPlan(True, CallFeatures(window_left=int(window) - 1))
+
+
 def register_hf(hf_attention: Callable[..., Any], name: str = "evo") -> str:
     """Register ``hf_attention`` with transformers under ``name`` (then
     ``model.set_attn_implementation(name)`` or ``from_pretrained(..., attn_implementation=name)``),
-    with sdpa's mask builder, so padding reaches hf_attention as a mask (and is refused)
+    with sdpa's mask builder, so padding and sliding windows reach hf_attention as a mask
     instead of being dropped. Returns ``name``."""
     from transformers import AttentionInterface
 

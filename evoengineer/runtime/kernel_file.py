@@ -16,6 +16,9 @@ from typing import Any, NoReturn
 
 from .backward_file import BackwardData, parse_backward
 from .dispatch import MeasuredCase, Variant, VariantTable
+from .features import POINTER_ARGS as FEATURE_POINTERS
+from .features import SCALAR_ARGS as FEATURE_SCALARS
+from .features import kernel_switches
 
 SCHEMA = "evoengineer-attention-export/2"
 """The ``schema`` of the kernel.json this runtime reads; an export writes it."""
@@ -30,6 +33,9 @@ MAP_TENSORS = ("q", "k", "v", "out")
 MAP_SWIZZLES = (0, 32, 64, 128)
 FEATURE_GQA = "gqa"
 """A kernel with this feature takes a K/V head count (``int H_kv``): grouped-query attention."""
+FEATURE_ARGS = (*FEATURE_POINTERS, *FEATURE_SCALARS)
+"""Arguments of kernels with compile-time features (``features.SWITCHES``): pointers
+``seqlens_k``, ``leftpad_k``, scalars ``window_left``, ``window_right``, ``softcap``."""
 
 
 class KernelFileError(ValueError):
@@ -96,8 +102,16 @@ class KernelSpec:
     source: str = field(default="", repr=False)
 
     @property
-    def key(self) -> tuple[str, int, bool, str]:
-        return (self.dtype, self.head_dim, self.causal, self.config)
+    def key(self) -> tuple:
+        """(dtype, head_dim, causal, config); a kernel with compile-time features (window,
+        softcap, seqlens) adds them: (dtype, head_dim, causal, config, switches)."""
+        switches = self.switches
+        return (self.dtype, self.head_dim, self.causal, self.config, *((switches,) if switches else ()))
+
+    @property
+    def switches(self) -> tuple[str, ...]:
+        """Its compile-time features (``features.SWITCHES``), sorted."""
+        return kernel_switches(self.features)
 
     @property
     def variant(self) -> Variant:
@@ -321,7 +335,8 @@ def _kernel(entry: _Fields, directory: Path) -> KernelSpec:
             entry.fail(f"{entry.where}.args[{j}]", f"expected [name, kind] with kind one of {', '.join(ARG_KINDS)}, "
                                                    f"got {_show(arg)}")
         name, kind = arg
-        known = POINTER_ARGS if kind == "ptr" else SCALAR_ARGS if kind != "tmap" else None
+        known = (POINTER_ARGS + FEATURE_POINTERS if kind == "ptr" else SCALAR_ARGS + FEATURE_SCALARS
+                 if kind != "tmap" else None)
         if (known is not None and name not in known) or not is_identifier(name):
             entry.fail(f"{entry.where}.args[{j}]", f"{_show(name)} is not an argument the runtime fills")
         args.append((name, kind))

@@ -15,6 +15,7 @@ from . import tensormap
 from .arguments import PackedArguments, element_strides, pack_arguments, scalar_values
 from .checks import DTYPE_NAMES, Coverage, check_inputs
 from .dispatch import DispatchTable
+from .features import PLAIN, CallFeatures, FallbackCounts, Uncovered, check_ranges, reference_attention, select_kernel
 from .grid import counter_words, grid
 from .kernel_file import ExportData, KernelSpec
 from .loading import KernelCache, import_cupy
@@ -124,6 +125,16 @@ class Plan:
     raw_kernels: tuple[Any, ...] = ()
     keep: tuple[Any, ...] = ()
     """Buffers the launches point into (tensor maps), alive as long as the plan."""
+    fallback: str | None = None
+    """Why no kernel serves such a call, where it runs the fallback instead (``run`` unused)."""
+    ranges: bool = False
+    """The kernel takes per-batch key ranges (``seqlens_k``, ``leftpad_k``), set per call."""
+
+
+FEATURE_GRAD_REASON = ("a gradient is needed (q, k or v requires grad) and the backward kernels have no features "
+                       "(window_size, softcap, seqlens_k, leftpad_k)")
+FEATURE_GRAD_ERROR = (f"attention: {FEATURE_GRAD_REASON}; call without them, under torch.no_grad(), or with "
+                      "fallback='sdpa' (SDPA computes such calls and their gradients)")
 
 
 def _empty_output(q: Any, k: Any, v: Any) -> Any:
@@ -137,6 +148,8 @@ class Launcher:
         self.data, self.table, self.coverage, self.kernels = data, table, coverage, kernels
         self._local = threading.local()
         self.forward = self._make_forward()
+        self.fallbacks = FallbackCounts()
+        self.forward_features = self._make_forward_features()
 
     def plans(self) -> dict[tuple, Plan]:
         """This thread's plans, by call key."""
@@ -169,7 +182,8 @@ class Launcher:
             plan = plans[key] = self.plan(q, k, v, is_causal, scale, enable_gqa)
         return plan
 
-    def plan(self, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool) -> Plan:
+    def plan(self, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool,
+             features: CallFeatures = PLAIN) -> Plan:
         """Everything a call with this shape, strides, dtype and device needs, prepared once."""
         check_inputs(self.coverage, q, k, v, is_causal, scale, enable_gqa)
         batch, heads, seq_q, head_dim = (int(x) for x in q.shape)
@@ -183,11 +197,19 @@ class Launcher:
                              "put one (batch, head) per grid row); split the batch")
         dtype, causal = DTYPE_NAMES[q.dtype], bool(is_causal)
         cid = self.table.choose(dtype, head_dim, causal, batch, heads, seq_q, seq_k, heads_kv)
-        return self.plan_kernel(self.data.kernels[(dtype, head_dim, causal, cid)], q, k, v, scale)
+        needed = features.needed(causal)
+        if needed:  # a kernel built with the call's features (``features.select_kernel``)
+            spec = select_kernel(self.data.kernels, (dtype, head_dim, causal), cid,
+                                 self.table.variants[(dtype, head_dim, causal)].fallback, needed)
+        else:
+            spec = self.data.kernels[(dtype, head_dim, causal, cid)]
+        return self.plan_kernel(spec, q, k, v, scale, features=features)
 
-    def plan_kernel(self, spec: KernelSpec, q: Any, k: Any, v: Any, scale: float | None, lse: bool = False) -> Plan:
+    def plan_kernel(self, spec: KernelSpec, q: Any, k: Any, v: Any, scale: float | None, lse: bool = False,
+                    features: CallFeatures = PLAIN) -> Plan:
         """The plan of one forward kernel over these (checked, non-empty) tensors; ``lse``: an LSE
-        forward, whose run returns ``(out, lse)``."""
+        forward, whose run returns ``(out, lse)``; ``features``: the call's window and soft cap
+        (a kernel with those switches)."""
         batch, heads, seq_q, head_dim = (int(x) for x in q.shape)
         heads_kv, seq_k = int(k.shape[1]), int(k.shape[2])
         cid, device = spec.config, q.get_device()
@@ -199,7 +221,8 @@ class Launcher:
         functions = self.kernels.functions(spec.key, device, spec)
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         values: dict[str, int | float] = {**scalar_values(batch, heads, heads_kv, seq_q, seq_k, *strides, scale * LOG2E),
-                                          "Q": 0, "K": 0, "V": 0, "O": 0, "WS": 0}
+                                          "Q": 0, "K": 0, "V": 0, "O": 0, "WS": 0,
+                                          **features.values(), "seqlens_k": 0, "leftpad_k": 0}
         maps, map_at, keep = self._encode_maps(spec, q, k, v, out_meta)
         packed = pack_arguments(spec.args, values, map_at)
         sms = multiprocessors(device) if any(l.persistent or l.split_tail for l in spec.launches) else 0
@@ -213,7 +236,8 @@ class Launcher:
                         if launch.tile_counter), None)
         run = make_run(packed, launches, ws_floats, device, cupy.cuda.driver.launchKernel, maps, counter,
                        (batch, heads, seq_q) if lse else None)
-        return Plan(run, cid, spec, launches, packed, ws_floats, counter, tuple(fn for fn, _ in functions), keep)
+        return Plan(run, cid, spec, launches, packed, ws_floats, counter, tuple(fn for fn, _ in functions), keep,
+                    ranges=any(name == "seqlens_k" for name, _ in spec.args))
 
     def _encode_maps(self, spec: KernelSpec, q: Any, k: Any, v: Any, out_meta: Any
                      ) -> tuple[tuple[MapSlot, ...], dict[str, int], tuple[Any, ...]]:
@@ -241,13 +265,27 @@ class Launcher:
         return maps, map_at, (storage,)
 
     def explain(self, q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None,
-                enable_gqa: bool = False) -> dict[str, Any]:
-        """What such a call runs (the plan is built and the kernels compiled if needed)."""
-        plan = self.cached_plan(q, k, v, is_causal, scale, enable_gqa)
+                enable_gqa: bool = False, *, window_size: Any = None, softcap: float | None = None,
+                seqlens_k: Any = None, leftpad_k: Any = None, fallback: str | None = None) -> dict[str, Any]:
+        """What such a call runs (the plan is built and the kernels compiled if needed); a call
+        that would run the fallback says why (``fallback``, ``reason``). ``fallback_counts``: the
+        calls that ran SDPA so far, per reason."""
+        from .features import call_features, check_fallback
+
+        features = call_features(window_size, softcap, seqlens_k, leftpad_k)
+        if features == PLAIN and check_fallback(fallback) is None:
+            plan = self.cached_plan(q, k, v, is_causal, scale, enable_gqa)
+        else:
+            plan = self.feature_plan(q, k, v, is_causal, scale, enable_gqa, features, fallback)
+        counts = self.fallbacks.snapshot()
+        if plan.fallback is not None:
+            return {"config": None, "launches": [], "workspace_bytes": 0, "fallback": fallback, "reason": plan.fallback,
+                    "fallback_counts": counts}
         if plan.config is None or plan.kernel is None or plan.packed is None:
-            return {"config": None, "launches": [], "workspace_bytes": 0}
+            return {"config": None, "launches": [], "workspace_bytes": 0, "fallback_counts": counts}
         info = self.data.configs[plan.config]
         return {
+            "fallback_counts": counts, "features": list(plan.kernel.switches),
             "config": plan.config, "short": info.short, "params": info.params, "kernel": plan.kernel.key,
             "launches": [{"grid": l[1:4], "block": l[4:7], "smem": l[7]} for l in plan.launches],
             # a tile counter: 4 zeroed bytes per call (more where the last tiles are cut over every CTA)
@@ -256,3 +294,70 @@ class Launcher:
             "raw_kernels": list(plan.raw_kernels),
             "arguments": plan.packed.values,  # the packed ctypes structure (pointers Q, K, V, O, WS set per call)
         }
+
+    # -- calls with features or a fallback ---------------------------------------------------------
+
+    def feature_plan(self, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool,
+                     features: CallFeatures, fallback: str | None) -> Plan:
+        """This thread's plan of a call with features (a fallback plan where no kernel serves it
+        and ``fallback`` is set), built once per key."""
+        key = ("features", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, is_causal, scale, enable_gqa, features, fallback)
+        plans = self.plans()
+        plan = plans.get(key)
+        if plan is None:
+            try:
+                plan = self.plan(q, k, v, is_causal, scale, enable_gqa, features)
+            except Uncovered as exc:
+                if fallback is None:
+                    raise
+                plan = Plan(_empty_output, fallback=str(exc).removeprefix("attention: "))
+            if len(plans) >= MAX_PLANS:
+                plans.clear()
+            plans[key] = plan
+        return plan
+
+    def _make_forward_features(self) -> Callable[..., Any]:
+        grad_enabled, counts = torch.is_grad_enabled, self.fallbacks
+
+        def forward_features(q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool,
+                             features: CallFeatures, seqlens_k: Any, leftpad_k: Any, fallback: str | None) -> Any:
+            if seqlens_k is not None or leftpad_k is not None:
+                check_ranges(q, seqlens_k, leftpad_k)
+            plan = self.feature_plan(q, k, v, is_causal, scale, enable_gqa, features, fallback)
+            if plan.fallback is not None:
+                counts.add(plan.fallback)
+                return reference_attention(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k)
+            if (q.requires_grad or k.requires_grad or v.requires_grad) and grad_enabled():
+                raise NotImplementedError(FEATURE_GRAD_ERROR)
+            if plan.ranges:
+                struct = plan.packed.values  # type: ignore[union-attr]
+                struct.seqlens_k = 0 if seqlens_k is None else seqlens_k.data_ptr()
+                struct.leftpad_k = 0 if leftpad_k is None else leftpad_k.data_ptr()
+            return plan.run(q, k, v)
+
+        return forward_features
+
+    def features_with_grad(self, plain: Callable[..., Any], q: Any, k: Any, v: Any, is_causal: bool,
+                           scale: float | None, enable_gqa: bool, deterministic: bool | None, features: CallFeatures,
+                           seqlens_k: Any, leftpad_k: Any, fallback: str | None) -> Any:
+        """A call with features or a fallback whose inputs require grad: ``plain`` (the training
+        path) where it asks no feature; else, or where ``plain`` has no kernel for it, SDPA
+        (differentiable, counted) with ``fallback``; otherwise NotImplementedError in one line."""
+        if seqlens_k is not None or leftpad_k is not None:
+            check_ranges(q, seqlens_k, leftpad_k)
+        if not features.needed(bool(is_causal)):
+            if fallback is None:
+                return plain(q, k, v, is_causal, scale, enable_gqa, deterministic)
+            try:
+                return plain(q, k, v, is_causal, scale, enable_gqa, deterministic)
+            except Uncovered as exc:
+                reason = str(exc).removeprefix("attention: ")
+            except NotImplementedError as exc:  # no backward for this variant
+                reason = str(exc).removeprefix("attention: ").split(";")[0]
+        elif fallback is None:
+            raise NotImplementedError(FEATURE_GRAD_ERROR)
+        else:
+            reason = FEATURE_GRAD_REASON
+        self.fallbacks.add(reason)
+        return reference_attention(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k)

@@ -1,6 +1,6 @@
 """The torch custom ops of an export and ``attention``, the function a user calls.
 
-Three ops in the export's namespace, each with a fake implementation (so torch.compile traces
+Four ops in the export's namespace, each with a fake implementation (so torch.compile traces
 them and FakeTensorMode runs them without a GPU):
 
 - ``attention(q, k, v, is_causal, scale, enable_gqa, deterministic) -> out``: inference; no LSE is
@@ -9,7 +9,10 @@ them and FakeTensorMode runs them without a GPU):
 - ``attention_lse(...) -> (out, lse)``: the forward a gradient needs (the row log-sum-exp beside
   the output), with ``torch.library.register_autograd``: it saves q, k, v, out and lse only;
 - ``attention_backward(do, q, k, v, out, lse, ...) -> (dq, dk, dv)``, whose own backward (a
-  double backward) is refused in one line.
+  double backward) is refused in one line;
+- ``attention_features(q, k, v, ..., window_left, window_right, softcap, seqlens_k, leftpad_k,
+  fallback) -> out``: a call with features or a fallback (inference only: the backward kernels
+  have no features).
 
 ``attention(...)`` takes the eager fast path for plain tensors that need no gradient, the
 ``attention_lse`` op where one is needed (grad mode on and q, k or v requiring grad), and the
@@ -193,3 +196,91 @@ def grad_checker(backward: Any) -> Callable[[Any, bool], None]:
         check_grad(backward, DTYPE_NAMES.get(q.dtype, str(q.dtype)), int(q.shape[-1]), bool(is_causal))
 
     return grad_check
+
+
+# -- calls with features (window, soft cap, per-batch key ranges) or a fallback -------------------
+
+FEATURES_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
+                   "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? seqlens_k=None, "
+                   "Tensor? leftpad_k=None, str? fallback=None) -> Tensor")
+
+FeatureForward = Callable[..., Any]
+"""``(q, k, v, is_causal, scale, enable_gqa, features.CallFeatures, seqlens_k, leftpad_k, fallback)``."""
+
+
+def register_features_op(namespace: str, forward: FeatureForward, coverage: Coverage) -> Any:
+    """``torch.ops.<namespace>.attention_features.default``: ``attention`` with a window, a soft
+    cap, per-batch key ranges or a fallback, through the dispatcher."""
+    from .features import Uncovered, call_features, check_fallback, check_ranges
+
+    def impl(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+             window_left: int = -1, window_right: int = -1, softcap: float = 0.0, seqlens_k: Any = None,
+             leftpad_k: Any = None, fallback: str | None = None) -> Any:
+        features = call_features((window_left, window_right), softcap, seqlens_k, leftpad_k)
+        return forward(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k, fallback)
+
+    def fake(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+             window_left: int = -1, window_right: int = -1, softcap: float = 0.0, seqlens_k: Any = None,
+             leftpad_k: Any = None, fallback: str | None = None) -> Any:
+        call_features((window_left, window_right), softcap, seqlens_k, leftpad_k)
+        check_fallback(fallback)
+        check_ranges(q, seqlens_k, leftpad_k)
+        try:
+            check_inputs(coverage, q, k, v, is_causal, scale, enable_gqa)
+        except Uncovered:
+            if fallback is None:
+                raise
+        return torch.empty_like(q)
+
+    if not hasattr(getattr(torch.ops, namespace), "attention_features"):
+        opdef = torch.library.custom_op(f"{namespace}::attention_features", impl, mutates_args=(), schema=FEATURES_SCHEMA)
+        opdef.register_fake(fake)
+    return getattr(torch.ops, namespace).attention_features.default
+
+
+def make_feature_attention(plain: Callable[..., Any], forward: FeatureForward, op: Any,
+                           with_grad: Callable[..., Any]) -> Callable[..., Any]:
+    """``attention`` with the keywords of features and fallback; a call without them is ``plain``'s,
+    a call with them whose inputs require grad is ``with_grad(plain, ...)``'s (``Launcher.features_with_grad``)."""
+    from .features import call_features, check_fallback
+
+    compiling = torch.compiler.is_compiling
+    grad_enabled = torch.is_grad_enabled
+    tensor = torch.Tensor
+    dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+
+    def attention(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                  deterministic: bool | None = None, *, window_size: Any = None, softcap: float | None = None,
+                  seqlens_k: Any = None, leftpad_k: Any = None, fallback: str | None = None) -> Any:
+        """softmax(q k^T * scale) v as torch.nn.functional.scaled_dot_product_attention computes it
+        (is_causal: top-left aligned; scale: default 1/sqrt(head_dim); enable_gqa: k, v may have
+        fewer heads). q: (batch, heads, seq_q, head_dim), k and v: (batch, heads_kv, seq_k,
+        head_dim), CUDA tensors of one dtype with a contiguous last dimension. Returns a new
+        tensor shaped like q. Differentiable: where q, k or v requires grad, the forward keeps
+        the row log-sum-exp and ``backward()`` runs the exported backward kernels;
+        ``deterministic=True`` (default: the module's ``set_deterministic``, or
+        ``torch.use_deterministic_algorithms``) picks a backward whose gradients are
+        bit-identical run to run.
+
+        window_size=(left, right): query position i sees keys i - left .. i + right (-1:
+        unlimited; with is_causal right is 0; aligned top-left as is_causal). softcap: scores
+        become softcap * tanh(score * scale / softcap) before the softmax. seqlens_k, leftpad_k:
+        int32 (batch,) tensors, batch b sees keys leftpad_k[b] .. seqlens_k[b] - 1 (padding); a
+        query that sees no key gives 0. fallback='sdpa': a call no exported kernel covers runs
+        SDPA (with the features as an explicit mask), counted per reason in fallback_counts();
+        None (default): such a call raises ValueError. The backward kernels have no features: a
+        call with them whose inputs require grad raises NotImplementedError, or with
+        fallback='sdpa' runs SDPA (differentiable, counted)."""
+        if window_size is None and softcap is None and seqlens_k is None and leftpad_k is None and fallback is None:
+            return plain(q, k, v, is_causal, scale, enable_gqa, deterministic)
+        features = call_features(window_size, softcap, seqlens_k, leftpad_k)
+        check_fallback(fallback)
+        if grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
+            return with_grad(plain, q, k, v, is_causal, scale, enable_gqa, deterministic, features, seqlens_k, leftpad_k,
+                             fallback)
+        if compiling() or type(q) is not tensor or type(k) is not tensor or type(v) is not tensor or dispatch_modes():
+            return op(q, k, v, is_causal, scale, enable_gqa, features.window_left, features.window_right,
+                      features.softcap, seqlens_k, leftpad_k, fallback)
+        return forward(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k, fallback)
+
+    return attention

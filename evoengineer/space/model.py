@@ -57,10 +57,14 @@ class Variant:
     head_dim: int
     causal: bool
     dtype: str = "fp16"
+    features: tuple[str, ...] = ()
+    """Compile-time features of the kernel (``runtime.features.SWITCHES``: softcap, window, seqlens),
+    sorted; the template sees each as a switch (``SOFTCAP=1``, ...)."""
 
     def label(self) -> str:
-        """``D64``, ``D64-causal``; bf16 adds ``-bf16`` (fp16 labels predate the dtype)."""
-        return f"D{self.head_dim}{'-causal' if self.causal else ''}{'' if self.dtype == 'fp16' else '-' + self.dtype}"
+        """``D64``, ``D64-causal``; bf16 adds ``-bf16`` (fp16 labels predate the dtype), each feature ``-softcap``..."""
+        return (f"D{self.head_dim}{'-causal' if self.causal else ''}{'' if self.dtype == 'fp16' else '-' + self.dtype}"
+                + "".join(f"-{f}" for f in self.features))
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,10 @@ class Case:
     heads_kv: int | None = None
     dtype: str = "fp16"
     seq_kv: int | None = None
+    softcap: float = 0.0
+    """Logit soft-capping (0: none): scores become softcap * tanh(score * scale / softcap)."""
+    window: tuple[int, int] = (-1, -1)
+    """Sliding window (left, right) as flash-attn's window_size (-1: unlimited), aligned as causal."""
 
     def __post_init__(self) -> None:
         if self.heads_kv is None:
@@ -103,8 +111,14 @@ class Case:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
     @property
+    def features(self) -> tuple[str, ...]:
+        """The kernel features this case needs (sorted)."""
+        window = self.window[0] >= 0 or (self.window[1] >= 0 and not self.causal)
+        return tuple(name for name, on in (("softcap", self.softcap > 0), ("window", window)) if on)
+
+    @property
     def variant(self) -> Variant:
-        return Variant(self.head_dim, self.causal, self.dtype)
+        return Variant(self.head_dim, self.causal, self.dtype, self.features)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -117,7 +131,9 @@ class Case:
         heads = f"{self.heads}" if self.heads_kv == self.heads else f"{self.heads}/{self.heads_kv}"
         seq = f"{self.seq}" if self.seq_kv == self.seq else f"{self.seq}/{self.seq_kv}"
         return (f"B{self.batch} H{heads} S{seq} D{self.head_dim}{' causal' if self.causal else ''}"
-                f"{'' if self.dtype == 'fp16' else ' ' + self.dtype}")
+                f"{'' if self.dtype == 'fp16' else ' ' + self.dtype}"
+                f"{f' softcap{self.softcap:g}' if self.softcap > 0 else ''}"
+                f"{f' window{self.window[0]},{self.window[1]}' if self.window != (-1, -1) else ''}")
 
     def flops(self) -> float:
         """Matmul FLOPs of the forward pass (QK^T and PV) over the (query, key) pairs attended:
@@ -519,7 +535,7 @@ _MAX_EXTENDS = 8
 _REQUIRED_TOP = ("target", "problem", "template")
 _TARGET_KEYS = ("name", "arch", "sms", "smem_per_block")
 _PROBLEM_KEYS = ("kind", "dtype", "scale", "shapes")
-_SHAPE_KEYS = ("B", "H", "H_KV", "S", "S_KV", "D", "causal")
+_SHAPE_KEYS = ("B", "H", "H_KV", "S", "S_KV", "D", "causal", "softcap", "window")
 _TOL_KEYS = ("atol", "rtol", *DTYPES)
 _TIMING_KEYS = ("warmup", "repetitions", "min_repetitions", "precision", "race", "flush_l2", "timeout_s")
 _SEARCH_KEYS = ("strategy", "budget", "time", "top_k", "population", "seeds")
@@ -842,6 +858,14 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",)) 
             v.fail(f"{key}.H_KV", f"K/V heads must divide the query heads H={heads}, got {heads_kv}")
         seq = v.integer(s["S"], f"{key}.S", minimum=1)
         seq_kv = v.integer(s.get("S_KV", seq), f"{key}.S_KV", minimum=1)
+        softcap = v.number(s["softcap"], f"{key}.softcap", positive=True) if "softcap" in s else 0.0
+        window = (-1, -1)
+        if "window" in s:
+            raw = s["window"]
+            if (not isinstance(raw, list) or len(raw) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or x < -1 for x in raw)
+                    or raw == [-1, -1]):
+                v.fail(f"{key}.window", f"expected [left, right], integers >= -1 (-1: unlimited), not both -1, got {raw!r}")
+            window = (raw[0], raw[1])
         causal_raw = s.get("causal", False)
         flags = causal_raw if isinstance(causal_raw, list) else [causal_raw]
         if not flags:
@@ -858,6 +882,8 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",)) 
                         heads_kv=heads_kv,
                         dtype=dtype,
                         seq_kv=seq_kv,
+                        softcap=softcap,
+                        window=window,
                     )
                 )
     return tuple(dict.fromkeys(cases))

@@ -215,17 +215,22 @@ def test_llama_with_evo_attention_matches_sdpa(module) -> None:
     assert torch.equal(tokens, ref_tokens), f"greedy tokens differ; smallest top-2 logit gap {(top2[..., 0] - top2[..., 1]).min():.4f}"
 
 
-def test_llama_padding_mask_is_refused_with_the_documented_error(module) -> None:
+def test_llama_padding_mask_is_served_and_matches_sdpa(module) -> None:
     import torch
 
     pytest.importorskip("transformers")
     module.register_hf("evo")
     model = _tiny_llama()
-    model.set_attn_implementation("evo")
     ids = torch.randint(3, 512, (2, 16), device="cuda")
     mask = torch.ones_like(ids)
-    mask[0, :4] = 0  # left padding in the first row
-    with torch.no_grad(), pytest.raises(ValueError, match="^hf_attention: the attention mask masks positions other than"):
-        model(ids, attention_mask=mask)
+    mask[0, :4] = 0  # left padding in the first row: a key start per batch (leftpad_k)
     with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(ids, attention_mask=mask).logits.float()
+        model.set_attn_implementation("evo")
+        module.fallback_counts(reset=True)
+        logits = model(ids, attention_mask=mask).logits.float()
         model(ids, attention_mask=torch.ones_like(ids))  # a padding mask that masks nothing is fine
+    kept = mask.bool()  # padded positions' outputs are never read
+    torch.testing.assert_close(logits[kept], ref[kept], atol=3e-2, rtol=3e-2)
+    assert module.fallback_counts() == {}
