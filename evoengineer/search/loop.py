@@ -801,6 +801,8 @@ def check_records(run: RunDir) -> str:
         if last_cut:
             raise RunFileError(f"{results}: its last line is cut (a search killed while writing it) and the run's study "
                                f"{file} is missing: its records are incomplete")
+        if not meta.get("study_linked"):  # a run that never recorded its study's link (an older one)
+            return ""
         return f"note: the run's study {file} is missing; {results.name} was not checked against it"
     if file is not None and not os.access(file.parent, os.W_OK) and not file.with_name(file.name + "-wal").exists():
         url = f"sqlite:///file:{file}?mode=ro&immutable=1&uri=true"  # a read-only run: SQLite may not even create its lock file
