@@ -7,25 +7,55 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _has_gpu() -> bool:
+def _gpu_capability() -> tuple[int, int] | None:
+    """The first CUDA device's compute capability; None where there is no GPU."""
     try:
         import torch
 
-        return torch.cuda.is_available()
+        return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
     except Exception:  # noqa: BLE001 - a broken torch install means no GPU here
-        return False
+        return None
 
 
-HAS_GPU = _has_gpu()
+CAPABILITY = _gpu_capability()
+HAS_GPU = CAPABILITY is not None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the tests marked slow (whole spaces compiled, many kernels, long searches); "
+                          "`-m slow --slow` runs only those")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if HAS_GPU:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    """Leave out, at collection and with one summary line each: the slow tests unless --slow,
+    the GPU tests where there is no GPU. Tests marked sm90 skip on a GPU other than sm_90."""
+    left_out: dict[str, list[pytest.Item]] = {}
+    keep = []
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "slow" in item.keywords and not config.getoption("--slow"):
+            left_out.setdefault("slow", []).append(item)
+        elif "gpu" in item.keywords and not HAS_GPU:
+            left_out.setdefault("gpu", []).append(item)
+        else:
+            keep.append(item)
+            if "sm90" in item.keywords and CAPABILITY is not None and CAPABILITY[0] != 9:
+                item.add_marker(pytest.mark.skip(reason=f"needs an sm_90 GPU (H100, H200); this one is "
+                                                        f"sm_{CAPABILITY[0]}{CAPABILITY[1]}"))
+    if left_out:
+        config.hook.pytest_deselected(items=[i for group in left_out.values() for i in group])
+        items[:] = keep
+    config.stash[_LEFT_OUT] = {name: len(group) for name, group in left_out.items()}
+
+
+_LEFT_OUT = pytest.StashKey[dict]()
+_WHY = {"slow": "marked slow (--slow runs them too, `-m slow --slow` only them)",
+        "gpu": "need a CUDA GPU, none here"}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001
+    for name, n in config.stash.get(_LEFT_OUT, {}).items():
+        terminalreporter.write_line(f"not run: {n} tests {_WHY[name]}")
 
 
 @pytest.fixture

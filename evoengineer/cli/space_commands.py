@@ -132,13 +132,14 @@ SIZES_FILE = "space-sizes.json"
 
 
 def _code_hash() -> str:
-    """A hash of the package's Python sources: what decides which configurations are valid."""
+    """A hash of the Python sources that decide which configurations are valid (the space
+    and kernel stages)."""
     import hashlib
     from pathlib import Path
 
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.joinpath("space").rglob("*.py"), *root.joinpath("kernels").rglob("*.py")]):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
