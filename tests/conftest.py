@@ -56,8 +56,12 @@ SLOW_TESTS: dict[str, str] = {
     # enumerate the whole h100 space
     "tests/test_tma.py::test_persistent_varies_where_a_tma_producer_loads_and_each_has_its_twin": "all",
     "tests/test_tma.py::test_load_varies_on_the_wgmma_path_only_and_no_configuration_repeats": "all",
-    # seconds of simulated GPU time per device count, and a rate that needs idle cores
+    "tests/test_decode.py::test_the_decode_seeds_compile_without_spills_for_sm_90a": "all",
+    "tests/test_dtype_gqa.py::test_check_command_on_the_bf16_space": "all",
+    "tests/test_space.py::test_wgmma_needs_sm_90a_and_other_archs_drop_it": "all",
+    # seconds of simulated GPU time per device count, and rates that need idle cores
     "tests/test_search_cli.py::test_one_search_on_several_devices": "all",
+    "tests/test_benchmarks_cpu.py::test_scaling_benchmark_on_simulated_devices": "all",
 }
 """Tests that are slow as a whole (``"all"``), or whose parametrizations but the first are
 (``"first"``: the fast suite checks one kernel, the slow run every one), by node id without
