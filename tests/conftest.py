@@ -93,13 +93,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     left_out: dict[str, list[pytest.Item]] = {}
     keep = []
     for item in items:
-        if "slow" in item.keywords and not run_slow:
+        if item.get_closest_marker("slow") and not run_slow:
             left_out.setdefault("slow", []).append(item)
-        elif "gpu" in item.keywords and not HAS_GPU:
+        elif item.get_closest_marker("gpu") and not HAS_GPU:
             left_out.setdefault("gpu", []).append(item)
         else:
             keep.append(item)
-            if "sm90" in item.keywords and CAPABILITY is not None and CAPABILITY[0] != 9:
+            if item.get_closest_marker("sm90") and CAPABILITY is not None and CAPABILITY[0] != 9:
                 item.add_marker(pytest.mark.skip(reason=f"needs an sm_90 GPU (H100, H200); this one is "
                                                         f"sm_{CAPABILITY[0]}{CAPABILITY[1]}"))
     if left_out:
