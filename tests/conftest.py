@@ -59,26 +59,30 @@ SLOW_TESTS: dict[str, str] = {
     "tests/test_decode.py::test_the_decode_seeds_compile_without_spills_for_sm_90a": "all",
     "tests/test_dtype_gqa.py::test_check_command_on_the_bf16_space": "all",
     "tests/test_space.py::test_wgmma_needs_sm_90a_and_other_archs_drop_it": "all",
+    # the evolutionary strategy's model refitted over every configuration of a recording (208, 244)
+    "tests/test_strategies.py::test_budget_equal_to_space_covers_it_once[replay_small_h100-evo]": "all",
+    "tests/test_strategies.py::test_budget_equal_to_space_covers_it_once[replay_synthetic-evo]": "all",
     # seconds of simulated GPU time per device count, and rates that need idle cores
     "tests/test_search_cli.py::test_one_search_on_several_devices": "all",
     "tests/test_benchmarks_cpu.py::test_scaling_benchmark_on_simulated_devices": "all",
 }
 """Tests that are slow as a whole (``"all"``), or whose parametrizations but the first are
 (``"first"``: the fast suite checks one kernel, the slow run every one), by node id without
-parameters. A test file may also mark a test ``@pytest.mark.slow`` itself."""
+parameters (or with them: that parametrization alone). A test file may also mark a test
+``@pytest.mark.slow`` itself."""
 
 
 def _mark_slow(items: list[pytest.Item]) -> None:
     seen: set[str] = set()
     for item in items:
         name = item.nodeid.split("[")[0]
-        rule = SLOW_TESTS.get(name)
+        rule = SLOW_TESTS.get(item.nodeid) or SLOW_TESTS.get(name)
         if rule == "all" or (rule == "first" and name in seen):
             item.add_marker(pytest.mark.slow)
         seen.add(name)
     modules = {item.nodeid.split("::")[0]: getattr(item, "module", None) for item in items}
     stale = [name for name in SLOW_TESTS if name.split("::")[0] in modules
-             and not hasattr(modules[name.split("::")[0]], name.split("::")[-1])]
+             and not hasattr(modules[name.split("::")[0]], name.split("[")[0].split("::")[-1])]
     if stale:
         raise pytest.UsageError(f"tests/conftest.py: SLOW_TESTS names {stale[0]}, which is no test (renamed?)")
 
