@@ -1,9 +1,9 @@
 """Record a space exhaustively on a GPU, as a compact recording that strategies replay.
 
-    python benchmarks/record.py run benchmarks/spaces/h100_mma_seed.yaml \\
-        --out benchmarks/recordings/h100_mma_seed.jsonl --devices 0
+    python benchmarks/record.py run recordings/h100_mma_seed.yaml \\
+        --out recordings/h100_mma_seed.jsonl --devices 0
     python benchmarks/record.py convert runs/rec-h100_mma_seed-gpu0 --out FILE.jsonl
-    python benchmarks/record.py check benchmarks/recordings/h100_mma_seed.jsonl
+    python benchmarks/record.py check recordings/h100_mma_seed.jsonl
 
 ``run`` is ``evoengineer search --strategy grid --trials <valid size>`` (every valid
 configuration exactly once, in the space's order; no re-timing of finalists) in a run directory

@@ -1,7 +1,7 @@
 """Search strategies compared on exhaustive recordings: ours, Optuna's and Kernel Tuner's.
 
     python benchmarks/strategies.py                                  # every recording we have
-    python benchmarks/strategies.py --recording benchmarks/recordings/h100_mma_seed.jsonl \\
+    python benchmarks/strategies.py --recording recordings/h100_mma_seed.jsonl \\
         --seeds 25 --plot strategies.png --json strategies.json
 
 Each recording holds every valid configuration of a space, timed on a GPU, so a strategy is
@@ -79,7 +79,7 @@ from evoengineer.search.strategies import SAMPLERS, make_sampler  # noqa: E402
 from evoengineer.space import Config, SearchSettings, Space  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_RECORDINGS = ("tests/data/replay_*.jsonl*", "benchmarks/recordings/*.jsonl*")
+DEFAULT_RECORDINGS = ("tests/data/replay_*.jsonl*", "recordings/*.jsonl*", "benchmarks/recordings/*.jsonl*")
 THRESHOLDS = (0.01, 0.02, 0.05)
 CUTOFF_START, CUTOFF_END = 0.5, 0.96
 DEFAULT_STRATEGY = SearchSettings().strategy
@@ -565,7 +565,7 @@ def plot(results: dict[str, Any], path: Path, top_kt: int = 3) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recording", action="append", type=Path,
-                        help="recording to replay (repeatable; default: tests/data/replay_*.jsonl and benchmarks/recordings/*)")
+                        help="recording to replay (repeatable; default: tests/data/replay_*.jsonl, recordings/* and benchmarks/recordings/*)")
     parser.add_argument("--strategies", help="comma-separated (default: ours, Optuna's, Kernel Tuner's)")
     parser.add_argument("--seeds", type=int, default=25, help="runs per strategy (default 25)")
     parser.add_argument("--budget", type=int, help="evaluations per run (default: the recording's valid size)")

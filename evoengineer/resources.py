@@ -1,8 +1,8 @@
-"""Locate the data shipped with the package: templates and built-in search spaces.
+"""Locate the data shipped with the package: templates, built-in search spaces and recordings.
 
-Works from a source checkout (top-level ``templates/`` and ``search_spaces/``) and
-from an installed wheel, where both are installed as ``evoengineer.templates`` and
-``evoengineer.search_spaces``.
+Works from a source checkout (top-level ``templates/``, ``search_spaces/`` and
+``recordings/``) and from an installed wheel, where they are installed as
+``evoengineer.templates``, ``evoengineer.search_spaces`` and ``evoengineer.recordings``.
 """
 from __future__ import annotations
 
@@ -32,6 +32,24 @@ def spaces_dir() -> Path:
 def builtin_spaces() -> dict[str, Path]:
     """Built-in space name (file stem) -> path."""
     return {p.stem: p for p in sorted(spaces_dir().glob("*.yaml"), key=lambda p: p.stem)}
+
+
+DEMO_RECORDING = "h100_mma_seed"
+"""The recording ``--replay demo`` and ``evoengineer demo`` replay: every valid configuration
+of the h100 space's mma path on B1 H8 S512 D64, timed on an H100."""
+
+
+def recordings_dir() -> Path:
+    """Directory holding the shipped recordings (``NAME.jsonl``, each beside its space ``NAME.yaml``)."""
+    return _data_dir("recordings")
+
+
+def builtin_recordings() -> dict[str, Path]:
+    """Shipped recording name (file stem; ``demo`` for ``DEMO_RECORDING``) -> path."""
+    found = {p.stem: p for p in sorted(recordings_dir().glob("*.jsonl"), key=lambda p: p.stem)}
+    if DEMO_RECORDING in found:
+        found["demo"] = found[DEMO_RECORDING]
+    return found
 
 
 def template_names(directory: str | Path | None = None) -> list[str]:

@@ -7,25 +7,119 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _has_gpu() -> bool:
+def _gpu_capability() -> tuple[int, int] | None:
+    """The first CUDA device's compute capability; None where there is no GPU."""
     try:
         import torch
 
-        return torch.cuda.is_available()
+        return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
     except Exception:  # noqa: BLE001 - a broken torch install means no GPU here
-        return False
+        return None
 
 
-HAS_GPU = _has_gpu()
+CAPABILITY = _gpu_capability()
+HAS_GPU = CAPABILITY is not None
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if HAS_GPU:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the tests marked slow (whole spaces compiled, many kernels, long searches); "
+                          "`-m slow` runs only those")
+
+
+SLOW_TESTS: dict[str, str] = {
+    # every valid path of l4 and h100 for sm_89, sm_90 and sm_90a; the fast suite: l4 for sm_89
+    "tests/test_check.py::test_every_path_of_shipped_spaces_compiles": "first",
+    "tests/test_check.py::test_check_shape_narrows_the_space_as_search_does": "all",
+    # module fixtures that compile every case for every arch at once
+    "tests/test_templates_cpu.py::test_compiles": "all",
+    "tests/test_dtype_gqa.py::test_bf16_paths_compile": "all",
+    "tests/test_dtype_gqa.py::test_bf16_costs_no_more_registers_than_fp16": "all",
+    "tests/test_dtype_gqa.py::test_bf16_tensor_core_paths_run_bf16_hmma": "all",
+    "tests/test_wgmma_bf16.py::test_bf16_wgmma_compiles_for_sm_90a_without_spills": "all",
+    # one wgmma kernel per SASS check in the fast suite, every configuration and variant in the slow run
+    "tests/test_tma.py::test_tma_configurations_compile_for_sm_90a_without_spills": "first",
+    "tests/test_tma.py::test_exp2_fma_moves_its_share_of_the_softmax_exponentials_off_the_mufu": "first",
+    "tests/test_tma.py::test_overlap_2_runs_the_exponentials_while_p_v_is_in_flight": "first",
+    "tests/test_tma.py::test_wgmma_stays_asynchronous_and_nothing_spills": "first",
+    "tests/test_tma.py::test_softmax_pin_keeps_the_softmax_before_the_wait_for_p_v": "first",
+    "tests/test_tma.py::test_softmax_pin_2_and_3_keep_the_row_maximum_and_half_the_exponentials_before_the_wait": "first",
+    "tests/test_tma.py::test_lazy_rescale_puts_the_rescale_of_o_behind_a_warp_vote": "first",
+    "tests/test_tma.py::test_o_tma_stores_o_through_shared_memory_by_a_fourth_map": "first",
+    "tests/test_tma.py::test_carried_ping_pong_opens_its_turns_once_per_cta": "first",
+    "tests/test_tma.py::test_a_tile_counter_kernel_declares_its_counter_and_takes_tiles_by_atomics": "first",
+    "tests/test_tma.py::test_a_split_tail_kernel_declares_the_workspace_of_its_cut_tiles": "first",
+    "tests/test_tma.py::test_p_smem_feeds_p_v_from_shared_memory_written_by_stmatrix": "first",
+    "tests/test_tma.py::test_q_in_regs_feeds_q_k_from_registers_and_reads_k_alone_from_shared_memory": "first",
+    "tests/test_tma.py::test_the_ab_script_compiles_every_pair_without_a_gpu": "all",
+    "tests/test_tma.py::test_the_ab_script_pairs_another_parameter": "all",
+    # enumerate the whole h100 space
+    "tests/test_tma.py::test_persistent_varies_where_a_tma_producer_loads_and_each_has_its_twin": "all",
+    "tests/test_tma.py::test_load_varies_on_the_wgmma_path_only_and_no_configuration_repeats": "all",
+    "tests/test_decode.py::test_the_decode_seeds_compile_without_spills_for_sm_90a": "all",
+    "tests/test_dtype_gqa.py::test_check_command_on_the_bf16_space": "all",
+    "tests/test_space.py::test_wgmma_needs_sm_90a_and_other_archs_drop_it": "all",
+    # the evolutionary strategy's model refitted over every configuration of a recording (208, 244)
+    "tests/test_strategies.py::test_budget_equal_to_space_covers_it_once[replay_small_h100-evo]": "all",
+    "tests/test_strategies.py::test_budget_equal_to_space_covers_it_once[replay_synthetic-evo]": "all",
+    # seconds of simulated GPU time per device count, and rates that need idle cores
+    "tests/test_search_cli.py::test_one_search_on_several_devices": "all",
+    "tests/test_benchmarks_cpu.py::test_scaling_benchmark_on_simulated_devices": "all",
+}
+"""Tests that are slow as a whole (``"all"``), or whose parametrizations but the first are
+(``"first"``: the fast suite checks one kernel, the slow run every one), by node id without
+parameters (or with them: that parametrization alone). A test file may also mark a test
+``@pytest.mark.slow`` itself."""
+
+
+def _mark_slow(items: list[pytest.Item]) -> None:
+    seen: set[str] = set()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        name = item.nodeid.split("[")[0]
+        rule = SLOW_TESTS.get(item.nodeid) or SLOW_TESTS.get(name)
+        if rule == "all" or (rule == "first" and name in seen):
+            item.add_marker(pytest.mark.slow)
+        seen.add(name)
+    modules = {item.nodeid.split("::")[0]: getattr(item, "module", None) for item in items}
+    stale = [name for name in SLOW_TESTS if name.split("::")[0] in modules
+             and not hasattr(modules[name.split("::")[0]], name.split("[")[0].split("::")[-1])]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py: SLOW_TESTS names {stale[0]}, which is no test (renamed?)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave out, at collection and with one summary line each: the slow tests unless --slow
+    (or a -m expression that names slow), the GPU tests where there is no GPU. Tests marked
+    sm90 skip on a GPU other than sm_90."""
+    _mark_slow(items)
+    run_slow = config.getoption("--slow") or "slow" in (config.getoption("markexpr") or "")
+    left_out: dict[str, list[pytest.Item]] = {}
+    keep = []
+    for item in items:
+        if item.get_closest_marker("slow") and not run_slow:
+            left_out.setdefault("slow", []).append(item)
+        elif item.get_closest_marker("gpu") and not HAS_GPU:
+            left_out.setdefault("gpu", []).append(item)
+        else:
+            keep.append(item)
+            if item.get_closest_marker("sm90") and CAPABILITY is not None and CAPABILITY[0] != 9:
+                item.add_marker(pytest.mark.skip(reason=f"needs an sm_90 GPU (H100, H200); this one is "
+                                                        f"sm_{CAPABILITY[0]}{CAPABILITY[1]}"))
+    if left_out:
+        config.hook.pytest_deselected(items=[i for group in left_out.values() for i in group])
+        items[:] = keep
+    config.stash[_LEFT_OUT] = {name: len(group) for name, group in left_out.items()}
+
+
+_LEFT_OUT = pytest.StashKey[dict]()
+_WHY = {"slow": "marked slow (--slow runs them too, -m slow only them)",
+        "gpu": "need a CUDA GPU, none here"}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001
+    for name, n in config.stash.get(_LEFT_OUT, {}).items():
+        terminalreporter.write_line(f"not run: {n} tests {_WHY[name]}")
 
 
 @pytest.fixture

@@ -50,6 +50,27 @@ def test_check_json_summary_and_exit_code(tmp_path: Path) -> None:
     assert set(data["summary"]) >= {"valid", "compiled", "failed", "spilling", "wgmma_serialized"}
     assert data["summary"]["compiled"] == 4 and data["summary"]["failed"] == 0
     assert len(data["configs"]) == 4 and all(c["registers"] > 0 for c in data["configs"])
+    # not a terminal: progress as plain lines (on stderr beside --json), no bar
+    assert proc.stderr.splitlines()[0] == "compiling l4 for sm_89: 4 configurations", proc.stderr
+
+
+def test_check_progress_lines_for_a_log() -> None:
+    """Where stdout is a log, check prints a line at the start and then one per period: done,
+    total, share, elapsed and the time left."""
+    import io
+
+    from rich.console import Console
+
+    from evoengineer.cli.space_commands import ProgressLines
+
+    out = io.StringIO()
+    lines = ProgressLines(Console(file=out, width=80), "compiling h100 for sm_90a", 400, period_s=0.0)
+    for done in (1, 100, 400):
+        lines.update(done)
+    text = out.getvalue().splitlines()
+    assert text[0] == "compiling h100 for sm_90a: 400 configurations"
+    assert text[1].startswith("compiling h100 for sm_90a: 1/400 (0%) in 0:00, about ")
+    assert text[2].startswith("compiling h100 for sm_90a: 100/400 (25%) in 0:00") and len(text) == 3
 
 
 D64_ONLY = ("PATH == 'wgmma' and CONSUMER_WGS == 3 and BLOCK_N == 128 and REG_PRODUCER == 24 and SPLIT_TAIL == 2 "
@@ -161,6 +182,7 @@ def test_wheel_ships_templates_and_spaces(tmp_path: Path) -> None:
     assert "evoengineer/templates/flash_attention.cu.j2" in names
     assert "evoengineer/templates/_attn_scalar.cuh.j2" in names
     assert "evoengineer/search_spaces/l4.yaml" in names and "evoengineer/search_spaces/h100.yaml" in names
+    assert {"evoengineer/recordings/h100_mma_seed.jsonl", "evoengineer/recordings/h100_mma_seed.yaml"} <= set(names)
 
 
 def test_compiled_image_is_a_complete_elf_file() -> None:

@@ -73,9 +73,16 @@ def test_h100_bf16_space() -> None:
     assert space.tolerance("bf16") == (0.03, 0.03)
     # the configurations of h100, its wgmma path (sm_90a) included, and the same budget
     assert space.target.arch == fp16.target.arch == "sm_90a"
-    assert set(space.valid_configs()) == set(fp16.valid_configs())
-    assert any(c["PATH"] == "wgmma" and c["LOAD"] == "tma" for c in space.valid_configs())
+    assert space.params == fp16.params and [c.text for c in space.constraints] == [c.text for c in fp16.constraints]
     assert space.search.budget == fp16.search.budget and space.search.strategy == fp16.search.strategy
+
+
+@pytest.mark.slow
+def test_h100_bf16_space_holds_the_configurations_of_h100() -> None:
+    space, fp16 = load_space("h100-bf16"), load_space("h100")
+    valid = set(space.valid_configs())
+    assert valid == set(fp16.valid_configs())
+    assert any(c["PATH"] == "wgmma" and c["LOAD"] == "tma" for c in valid)
 
 
 def test_dtype_list_gives_both_variants_and_labels(space_file) -> None:

@@ -153,7 +153,8 @@ def test_report_of_a_replayed_search(replayed_run: Path) -> None:
     assert all(f">{name}<" in importance for name in space.param_names)
     assert "completion time in the study" in section_text(text, "progress")
     assert "no per-shape timings" in section_text(text, "shapes")  # a replay records one objective per configuration
-    assert "replay of" in section_text(text, "environment") and "tpe" in section_text(text, "environment")
+    environment = section_text(text, "environment")  # the recording's GPU, marked as a replay, and the recording
+    assert "(replay)" in environment and "replay_small_h100.jsonl" in environment and "tpe" in environment
 
 
 def test_report_moves_with_its_run_directory(replayed_run: Path, tmp_path: Path) -> None:

@@ -114,6 +114,9 @@ def test_search_without_gpu_points_to_check(tmp_path: Path) -> None:
     proc = cli("search", "--space", "spaces/l4.yaml", cwd=tmp_path)
     assert proc.returncode == 2
     assert "evoengineer check" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()  # a search that could not start leaves no run directory
+    named = cli("search", "--space", "l4", "--run-dir", str(tmp_path / "mine"), cwd=tmp_path)
+    assert named.returncode == 2 and not (tmp_path / "mine").exists()
 
 
 def test_two_searches_share_one_study(tmp_path: Path, space_yaml: Path) -> None:
@@ -326,3 +329,141 @@ def test_help_fits_an_80_column_terminal(monkeypatch: pytest.MonkeyPatch) -> Non
     for name, sub in [("evoengineer", parser), *commands.items()]:
         wide = [line for line in sub.format_help().splitlines() if len(line) > 80]
         assert not wide, f"{name} --help: {wide}"
+
+
+# -- a first result without a GPU: the shipped recording ------------------------------------------
+
+
+def test_demo_replays_the_shipped_recording_with_every_column_it_can_fill(tmp_path: Path) -> None:
+    """``evoengineer demo``: the shipped H100 recording on its own space; the leaderboard has
+    × SDPA and TF/s, --per-shape has per-case winners, export dispatches per case; at 80
+    columns the footer's commands stay whole on their own lines; Optuna's log only with --verbose."""
+    env = {**os.environ, "COLUMNS": "80"}
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "evoengineer", "demo", "--trials", "24", "--run-dir", str(run), "--quiet"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "A new study created" not in done.stderr and "[I " not in done.stderr
+    lines = done.stdout.splitlines()
+    storage = f"sqlite:///{(run / 'study.db').resolve()}"
+    for line in (f"dashboard: optuna-dashboard {storage}", f"export:      evoengineer export {run} --rank 1 --out best/",
+                 f"leaderboard: evoengineer leaderboard {run}", f"report:      evoengineer report {run}"):
+        assert any(l.strip() == line for l in lines), (line, done.stdout)
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["space"] == "h100_mma_seed" and meta["gpu"]["gpu"] == "NVIDIA H100 80GB HBM3 (replay)"
+
+    board = json.loads(cli("leaderboard", str(run), "--json", cwd=tmp_path).stdout)
+    assert [row["backend"] for row in board["sdpa"]] == ["cudnn"]  # the recording's fastest backend per case
+    for entry in board["entries"]:
+        assert {c["label"] for c in entry["cases"]} == {"B1 H8 S512 D64", "B1 H8 S512 D64 causal"}
+        assert entry["speedup"]["cudnn"] > 1 and entry["tflops"] > 10
+        assert entry["spread"] is None and entry["max_abs_err"] is None  # not in the recording: "-"
+    table = cli("leaderboard", str(run), cwd=tmp_path).stdout
+    first = next(l for l in table.splitlines() if l.strip().startswith("1 "))
+    assert first.split()[-4:-1] != ["-", "-", "-"] and "NVIDIA H100 80GB HBM3 (replay)" in table
+
+    per = json.loads(cli("leaderboard", str(run), "--per-shape", "--json", cwd=tmp_path).stdout)
+    assert sorted(c["label"] for c in per["cases"]) == ["B1 H8 S512 D64", "B1 H8 S512 D64 causal"]
+    assert all(c["speedup_vs_sdpa"] > 1 and c["sdpa_backend"] == "cudnn" for c in per["cases"])
+    assert "no per-case timings" not in cli("leaderboard", str(run), "--per-shape", cwd=tmp_path).stdout
+
+    exported = cli("export", str(run), "--out", str(tmp_path / "best"), cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    info = json.loads((tmp_path / "best" / "kernel.json").read_text())
+    assert info["mode"] == "per-shape" and len(info["dispatch"]["table"]) == 2
+
+    verbose = subprocess.run([sys.executable, "-m", "evoengineer", "demo", "--trials", "2", "--run-dir", str(tmp_path / "v"),
+                              "--quiet", "--verbose"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert verbose.returncode == 0 and "A new study created" in verbose.stderr, verbose.stderr
+
+    pytest.importorskip("matplotlib", reason="evoengineer report needs matplotlib: pip install 'evoengineer[plot]'")
+    report = cli("report", str(run), cwd=tmp_path)
+    assert report.returncode == 0 and (run / "report.html").stat().st_size > 10_000, report.stderr
+
+
+def test_replay_demo_takes_the_recordings_own_space_and_a_results_file_replays_its_cases(tmp_path: Path) -> None:
+    """``--replay demo`` needs no --space; a run's results.jsonl replays with its per-case
+    times; a replay of some of the recorded cases has their geometric mean as objective."""
+    from evoengineer.search import ReplayCandidates
+    from evoengineer.space import Config
+
+    first = tmp_path / "first"
+    done = cli("search", "--replay", "demo", "--trials", "6", "--strategy", "grid", "--run-dir", str(first), "--quiet",
+               cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + done.stdout
+    space = Path(json.loads((first / "run.json").read_text())["space_path"])
+    again = tmp_path / "again"
+    done = cli("search", "--space", str(space), "--replay", str(first / "results.jsonl"), "--strategy", "grid",
+               "--trials", "6", "--run-dir", str(again), "--quiet", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + done.stdout
+    before = [json.loads(line) for line in (first / "results.jsonl").read_text().splitlines()]
+    after = [json.loads(line) for line in (again / "results.jsonl").read_text().splitlines()]
+    assert [(r["key"], r["objective_us"], r["cases"]) for r in after] == [(r["key"], r["objective_us"], r["cases"]) for r in before]
+
+    causal = ReplayCandidates(first / "results.jsonl", labels=["B1 H8 S512 D64 causal"])
+    record = before[0]
+    result = causal.evaluate(Config(record["config"]))
+    assert [c["label"] for c in result.cases] == ["B1 H8 S512 D64 causal"]
+    assert result.objective_us == pytest.approx(record["cases"][1]["time"]["median_us"])
+
+
+@pytest.mark.parametrize("space, recording, words", [
+    ("recordings/h100_mma_seed.yaml", "benchmarks/recordings/h100_mma_d128.jsonl", ["h100_mma_d128.jsonl", "'B1 H8 S512 D64'"]),
+    ("h100", "demo", ["h100_mma_seed.jsonl", "CONSUMER_WGS"]),
+    ("tests/data/replay_small_space.yaml", "demo", ["replay_small", "KV_GROUPS"]),
+])
+def test_replay_on_a_space_it_does_not_match_stops_at_once(tmp_path: Path, space: str, recording: str,
+                                                           words: list[str]) -> None:
+    repo = Path(__file__).resolve().parent.parent
+    path = str(repo / space) if "/" in space else space
+    replay = str(repo / recording) if "/" in recording else recording
+    proc = cli("search", "--space", path, "--replay", replay, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and all(w in proc.stderr for w in words), proc.stderr
+    assert not (tmp_path / "runs").exists()  # no stub run directory
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["search", "--replay", "demo", "--trials", "0"], "--trials: expected a whole number >= 1, got 0"),
+    (["search", "--replay", "demo", "--trials", "-5"], "--trials: expected a whole number >= 1, got -5"),
+    (["search", "--replay", "demo", "--trials", "many"], "--trials: expected a whole number >= 1, got 'many'"),
+    (["search", "--replay", "demo", "--top-k", "-1"], "--top-k: expected a whole number >= 1"),
+    (["search", "--replay", "demo", "--time", "-5m"], "--time: expected a positive duration such as 90s"),
+    (["search", "--replay", "demo", "--time", "0s"], "--time: expected a positive duration"),
+    (["search", "--replay", "demo", "--heartbeat", "0"], "--heartbeat: expected a whole number >= 1"),
+    (["search", "--replay", "demo", "--replay-delay", "-1"], "--replay-delay: expected a number >= 0"),
+    (["search", "--replay", "demo", "--retime-rounds", "-1"], "--retime-rounds: expected a whole number >= 0"),
+    (["search", "--replay", "demo", "--seed", "-1"], "--seed: expected a whole number >= 0"),
+    (["search", "--replay", "demo", "--device", "-2"], "--device: expected a whole number >= 0"),
+    (["check", "--space", "l4", "--limit", "0"], "--limit: expected a whole number >= 1, got 0"),
+    (["check", "--space", "l4", "--limit", "-3"], "--limit: expected a whole number >= 1, got -3"),
+    (["check", "--space", "l4", "--jobs", "0"], "--jobs: expected a whole number >= 1"),
+    (["leaderboard", "runs/x", "--top", "0"], "--top: expected a whole number >= 1"),
+    (["export", "runs/x", "--rank", "0", "--out", "o"], "--rank: expected a whole number >= 1"),
+    (["bench", "--space", "l4", "--config", "PATH=wmma", "--trials", "0"], "--trials: expected a whole number >= 1"),
+    (["baseline", "--space", "l4", "--device", "-1"], "--device: expected a whole number >= 0"),
+    (["demo", "--trials", "0"], "--trials: expected a whole number >= 1"),
+    (["search"], "--space: required"),
+])
+def test_numeric_flags_are_range_checked_in_one_line(argv: list[str], words: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from evoengineer.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_replay_search_stops_at_its_budget_not_at_zero(tmp_path: Path, space_yaml: Path) -> None:
+    """--trials N is N evaluations (N >= 1; 0 is refused above), --top-k N finalists."""
+    run = tmp_path / "run"
+    done = cli("search", "--space", str(space_yaml), "--replay", str(RECORDING), "--trials", "3", "--top-k", "2",
+               "--strategy", "random", "--run-dir", str(run), "--quiet", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["summary"]["evaluated"] == 3 and len(out["leaderboard"]) == 2

@@ -277,3 +277,33 @@ def test_launches_per_sample_fill_the_sample_time() -> None:
     assert launches_per_sample(2000.0, 5) == 5                # every input set at least once
     assert launches_per_sample(0.5, 1) == 256                 # at most 256 launches
     assert launches_per_sample(10.0, 2, target_sample_us=3000.0, max_launches=1000) == 300
+
+
+def test_spaces_reads_valid_sizes_from_its_cache_keyed_by_the_file(tmp_path: Path, space_file) -> None:
+    """`evoengineer spaces` counts each space's valid configurations once and keeps the count
+    in the cache directory, keyed by the space file's content and the code's hash: a cached
+    count is answered without counting; another file content is counted again."""
+    import hashlib
+    import json
+    import os
+
+    from evoengineer.cli.space_commands import SIZES_FILE, _code_hash, cached_valid_size
+    cache: dict[str, int] = {}
+    small = load_space(space_file(lambda d: d["params"].update(WARPS=[4])))
+    size, counted = cached_valid_size(small, cache, "code")
+    assert counted and size == small.valid_size() and list(cache.values()) == [size]
+    assert cached_valid_size(small, cache, "code") == (size, False)
+    assert cached_valid_size(small, cache, "other code") == (size, True)  # new code: counted again
+    other = load_space(space_file(lambda d: d["params"].update(WARPS=[2, 4]), name="other.yaml"))
+    assert cached_valid_size(other, cache, "code")[1]
+
+    # the command answers from the cache: sizes planted there are the ones it prints
+    planted: dict[str, int] = {}
+    code = _code_hash()
+    for i, path in enumerate(builtin_spaces().values()):
+        planted[f"{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}-{code}"] = 1000 + i
+    (tmp_path / SIZES_FILE).write_text(json.dumps(planted))
+    proc = subprocess.run([sys.executable, "-m", "evoengineer", "spaces", "--json"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "EVOENGINEER_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert [row["valid"] for row in json.loads(proc.stdout)] == [1000 + i for i in range(len(planted))]

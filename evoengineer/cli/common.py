@@ -2,8 +2,10 @@
 space, parsing a configuration, requiring a GPU. Imports no command module."""
 from __future__ import annotations
 
+import argparse
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..space import Config, Space, SpaceError
 
@@ -66,3 +68,48 @@ def run_path(text: str) -> Path:
     if not (path / "run.json").exists():
         raise UsageError(f"{path}: not a run directory (no run.json); `evoengineer runs` lists them")
     return path
+
+
+# -- numbers on the command line: range-checked where argparse reads them ------------------
+
+
+def whole(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``minimum`` (0 never stands for "all")."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text}")
+        return value
+
+    parse.__name__ = f"whole number >= {minimum}"
+    return parse
+
+
+def number(minimum: float) -> Callable[[str], float]:
+    """An argparse type: a finite number >= ``minimum``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number >= {minimum:g}, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a number >= {minimum:g}, got {text}")
+        return value
+
+    parse.__name__ = f"number >= {minimum:g}"
+    return parse
+
+
+def duration(text: str) -> float:
+    """An argparse type: a positive duration such as 90s, 15m, 1h or 1h30m, in seconds."""
+    from ..space import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive duration such as 90s, 15m, 1h or 1h30m, got {text!r}") from None

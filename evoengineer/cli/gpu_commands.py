@@ -9,7 +9,7 @@ from rich.console import Console
 from ..gpu import SDPA_BACKENDS, Evaluator
 from ..kernels import arch_for_device
 from ..results import baseline_grid, bench_grid, print_grid
-from .common import EXIT_FAILED, EXIT_OK, WIDE_HELP, load_space, parse_config, require_gpu
+from .common import EXIT_FAILED, EXIT_OK, WIDE_HELP, load_space, parse_config, require_gpu, whole
 
 
 def cmd_baseline(args: argparse.Namespace) -> int:
@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "with the same harness that times candidates: CUDA-graph replay, device time, L2 kept cold.")
     p.add_argument("--space", required=True, help="space YAML path or built-in name")
     p.add_argument("--backends", help=f"comma-separated subset of {','.join(SDPA_BACKENDS)}")
-    p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    p.add_argument("--device", type=whole(0), default=0, help="CUDA device index (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--wide", action="store_true", help=WIDE_HELP)
     p.set_defaults(func=cmd_baseline)
@@ -66,8 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "time it, and print ratios to every SDPA backend measured in the same run.")
     p.add_argument("--space", required=True, help="space YAML path or built-in name")
     p.add_argument("--config", required=True, help="NAME=VALUE,... e.g. PATH=wmma,BLOCK_M=64,BLOCK_N=64,WARPS=4,VEC=8 (omitted parameters take their first value)")
-    p.add_argument("--trials", type=int, default=3, help="random draws per shape for the gate (default 3)")
-    p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    p.add_argument("--trials", type=whole(1), default=3, help="random draws per shape for the gate (default 3)")
+    p.add_argument("--device", type=whole(0), default=0, help="CUDA device index (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--wide", action="store_true", help=WIDE_HELP)
     p.set_defaults(func=cmd_bench)

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import errno
+import re
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from .. import __version__
 from . import ab_commands, gpu_commands, results_commands, search_commands, space_commands
@@ -34,8 +35,31 @@ such file exists here.
 """
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a mistake reported as one line (``error: --trials: ...``) and exit code 2."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        message = re.sub(r"^argument (\S+?)(/\S+)?: ", r"\1: ", message)
+        self.exit(EXIT_USAGE, f"error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+_NEGATIVE = re.compile(r"^-\d")
+
+
+def _negative_values(argv: Sequence[str]) -> list[str]:
+    """``--time -5m`` as ``--time=-5m``: a value that starts with a minus sign reaches the
+    option's range check (argparse takes ``-5m`` for an unknown option)."""
+    out: list[str] = []
+    for token in argv:
+        if out and _NEGATIVE.match(token) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="evoengineer",
         description="Search templated CUDA FlashAttention kernels for the fastest correct one.",
         epilog=_EPILOG,
@@ -55,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..space import ExpressionError, SpaceError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_negative_values(sys.argv[1:] if argv is None else argv))
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE

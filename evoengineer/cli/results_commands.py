@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .common import EXIT_OK, WIDE_HELP, UsageError, run_path
+from .common import EXIT_OK, WIDE_HELP, UsageError, run_path, whole
 
 
 def cmd_leaderboard(args: argparse.Namespace) -> int:
@@ -122,7 +122,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("leaderboard", help="the ranked finalists of a run, with SDPA rows")
     p.add_argument("run", nargs="+", help="a run directory (runs/<run>); several with --per-shape")
-    p.add_argument("--top", type=int, help="show the first N")
+    p.add_argument("--top", type=whole(1), metavar="N", help="show the first N")
     p.add_argument("--per-shape", action="store_true",
                    help="the fastest configuration of every measured case (across the runs given), with SDPA's")
     fmt = p.add_mutually_exclusive_group()
@@ -147,7 +147,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("export", help="write a drop-in attention module: sources, launch metadata, dispatch table")
     p.add_argument("run", nargs="+", help="run directories (runs/<run>): per case the fastest configuration of them all")
-    p.add_argument("--rank", type=int, help="export only this leaderboard rank of one run (a single configuration)")
+    p.add_argument("--rank", type=whole(1), help="export only this leaderboard rank of one run (a single configuration)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--module", default="evo_attention",
                    help="name of the exported package (a Python identifier; default evo_attention)")

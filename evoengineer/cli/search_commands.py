@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -21,6 +22,7 @@ from ..search import (
     GRACE_BEATS,
     RUN_META,
     ReplayCandidates,
+    ReplayEvaluator,
     RunDir,
     RunFileError,
     SearchStats,
@@ -33,8 +35,9 @@ from ..search import (
     study_problem,
 )
 from ..search.loop import writing
-from ..space import STRATEGIES, Space, parse_duration
-from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, WIDE_HELP, UsageError, load_space, require_gpu, restrict_shapes
+from ..space import STRATEGIES, Space
+from .common import (EXIT_FAILED, EXIT_OK, EXIT_USAGE, WIDE_HELP, UsageError, duration, load_space, number, require_gpu,
+                     restrict_shapes, whole)
 
 DEFAULT_RUNS = Path("runs")
 
@@ -114,20 +117,65 @@ def _parse_devices(args: argparse.Namespace) -> list[int]:
     return devices
 
 
-def cmd_search(args: argparse.Namespace) -> int:
-    space = load_space(args.space)
-    devices = _parse_devices(args)
-    if args.replay and not Path(args.replay).is_file():
-        raise UsageError(f"--replay: {args.replay}: no such file (a results.jsonl or a recording from benchmarks/record.py)")
-    if args.heartbeat is not None and args.heartbeat < 1:
-        raise UsageError(f"--heartbeat: expected a whole number of seconds >= 1, got {args.heartbeat}")
-    console = Console(highlight=False, stderr=args.json)  # with --json, stdout holds only the JSON
-    try:
-        time_flag = parse_duration(args.time) if args.time else None
-    except ValueError as exc:
-        raise UsageError(f"--time: {exc}") from None
+def _replay_path(text: str) -> Path:
+    """``--replay``: a recording's path, or the name of one shipped with the package (``demo``)."""
+    from ..resources import builtin_recordings
 
-    # -- where results go ---------------------------------------------------------
+    path = Path(text)
+    if path.is_file():
+        return path
+    shipped = builtin_recordings()
+    if text in shipped:
+        return shipped[text]
+    raise UsageError(f"--replay: {text}: no such file (a results.jsonl, a recording from benchmarks/record.py, "
+                     f"or a shipped recording: {', '.join(shipped) or 'none'})")
+
+
+def _replay_space(args: argparse.Namespace, path: Path, replay: ReplayEvaluator) -> Space:
+    """The space a replay searches: ``--space``, else the recording's own (a shipped
+    recording's ``NAME.yaml`` beside it, or the built-in space its header names)."""
+    if args.space:
+        return load_space(args.space)
+    beside = path.with_name(path.name.split(".")[0] + ".yaml")
+    from ..resources import recordings_dir
+
+    if path.parent.resolve() == recordings_dir().resolve() and beside.is_file():
+        return load_space(beside)
+    if "space" in replay.header:
+        return load_space(str(replay.header["space"]))
+    raise UsageError(f"--space: required with --replay {path.name} (its header names no built-in space)")
+
+
+def _quiet_optuna(verbose: bool) -> None:
+    """Optuna's own INFO lines (``A new study created in RDB ...``) only with ``--verbose``."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.INFO if verbose else optuna.logging.WARNING)
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    _quiet_optuna(args.verbose)
+    replay_path = _replay_path(args.replay) if args.replay else None
+    replay: ReplayEvaluator | None = None
+    if replay_path is not None:
+        try:
+            replay = ReplayEvaluator(replay_path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"--replay: {replay_path}: not a recording ({exc})") from None
+        space = _replay_space(args, replay_path, replay)
+    elif not args.space:
+        raise UsageError("--space: required (a YAML path or a built-in name; `evoengineer spaces` lists them), "
+                         "or --replay demo to replay a recording without a GPU")
+    else:
+        space = load_space(args.space)
+    devices = _parse_devices(args)
+    console = Console(highlight=False, stderr=args.json)  # with --json, stdout holds only the JSON
+    time_s = args.time if args.time is not None else space.search.time_s
+    trials = args.trials if args.trials is not None else space.search.budget
+    top_k = args.top_k if args.top_k is not None else space.search.top_k
+
+    # -- which run, which shapes: checked before anything is written ------------------------
+    created: Path | None = None  # a directory this command made, removed again if the search cannot start
     if args.resume:
         path = Path(args.run_dir) if args.run_dir else _latest_run(DEFAULT_RUNS, space)
         if not (path / "run.json").exists():
@@ -144,7 +192,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             raise UsageError(f"--resume: the run in {path} added shapes {meta.get('added_shapes') or 'none'}; "
                              "resume it without --add-shape")
         space = restrict_shapes(space, meta.get("shapes"), meta.get("added_shapes"))
-        _apply_resume_flags(args, meta, time_flag, run, console)
+        _apply_resume_flags(args, meta, args.time, run, console)
         strategy, seed, trials = meta["strategy"], meta.get("seed") or 0, meta["trials"]
         time_s, top_k = meta.get("time_s"), meta.get("top_k") or space.search.top_k
         storage = run.storage_url(meta["storage"])
@@ -158,72 +206,62 @@ def cmd_search(args: argparse.Namespace) -> int:
     else:
         space = restrict_shapes(space, args.shape, args.add_shape)
         strategy, seed = args.strategy or space.search.strategy, args.seed or 0
-        trials, time_s = args.trials or space.search.budget, time_flag or space.search.time_s
-        top_k = args.top_k or space.search.top_k
-        if args.run_dir:
-            path = Path(args.run_dir)
-            if (path / "run.json").exists():
-                raise UsageError(f"--run-dir: {path} already holds a run; add --resume to continue it")
-            with writing(path):
-                path.mkdir(parents=True, exist_ok=True)
-                (path / "sources").mkdir(exist_ok=True)
-                (path / "space.yaml").write_text(space.source_text())
-            run = RunDir(path)
-        else:
-            run = RunDir.create(DEFAULT_RUNS, space)
-        recorded_storage = _recorded_storage(args.storage) if args.storage else DEFAULT_STORAGE
-        storage = run.storage_url(recorded_storage)
-        meta = {"space": space.name, "space_path": str(space.path), "strategy": strategy, "seed": seed,
-                "storage": recorded_storage, "study_name": args.study or run.name, "run_id": uuid.uuid4().hex,
-                "run_name": run.name, "trials": trials, "time_s": time_s, "top_k": top_k,
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replay": str(args.replay) if args.replay else None,
-                "shapes": args.shape or None, "added_shapes": args.add_shape or None}
+        if args.run_dir and (Path(args.run_dir) / "run.json").exists():
+            raise UsageError(f"--run-dir: {args.run_dir} already holds a run; add --resume to continue it")
 
     # -- the evaluators: one per device ---------------------------------------------------
     evaluators: list[Any]
-    if args.replay:
-        evaluators = ReplayCandidates(Path(args.replay), args.replay_delay).on_devices(devices)
-        info, arch, baseline = {"gpu": f"replay of {args.replay}"}, space.target.arch, {}
+    if replay is not None:
+        mismatch = replay.mismatch(space)
+        if mismatch:
+            raise UsageError(f"--replay: {mismatch}")
+        labels = [c.label() for c in space.cases]
+        evaluators = ReplayCandidates(replay.path, args.replay_delay, replay=replay, labels=labels).on_devices(devices)
+        recorded = replay.baseline()
+        baseline = {label: recorded[label] for label in labels if label in recorded}
+        info = {"gpu": f"{replay.gpu} (replay)" if replay.gpu else f"replay of {replay.path.name}", "replay": str(replay.path)}
+        arch = space.target.arch
     else:
-        from ..gpu import Evaluator
-
         require_gpu()
-        import torch
+        evaluators, info, arch, space = _start_gpus(space, devices, seed, console)
 
-        missing = [d for d in devices if d >= torch.cuda.device_count()]
-        if missing:
-            raise UsageError(f"--devices: no GPU {missing[0]} on this machine ({torch.cuda.device_count()} visible)")
-        best_case_us: dict[str, float] = {}  # one racing table for every lane
-        evaluators = [Evaluator(space, device=d, seed=seed or 0, best_case_us=best_case_us) for d in devices]
-        for ev in evaluators:
-            ev.worker.start()  # the workers start together
-        with console.status(f"starting {len(evaluators)} GPU worker(s)"):
-            infos = [ev.info() for ev in evaluators]
-        for d, one in zip(devices, infos):
-            if one.get("status") != "ok":
-                raise UsageError(f"the GPU worker on device {d} failed to start: {one.get('reason', '')}")
-        archs = sorted({one["arch"] for one in infos})
-        if len(archs) > 1:
-            raise UsageError(f"--devices: the GPUs differ ({', '.join(archs)}); run one search per kind of GPU on one study")
-        info, arch = infos[0], arch_for_device(archs[0], space.target.arch)
-        if len(devices) > 1:
-            info = {**info, "devices": devices, "gpus": [one["gpu"] for one in infos]}
-        if arch != space.target.arch:
-            console.print(f"[yellow]note:[/] space {space.name} targets {space.target.name} ({space.target.arch}); "
-                          f"this GPU is {info['gpu']} ({archs[0]}): compiling for {arch}, without the paths "
-                          f"only {space.target.arch} has")
-            space = space.for_arch(arch)
-        for ev in evaluators:
-            ev.arch, ev.space = arch, space
-        if args.resume and (run.path / "baseline.json").exists():
-            baseline = json.loads((run.path / "baseline.json").read_text())
-        else:
-            with console.status("timing SDPA's backends on every shape"):
-                baseline = evaluators[0].baseline()
+    try:
+        if not args.resume:
+            if args.run_dir:
+                path = Path(args.run_dir)
+                created = None if path.exists() else path
+                with writing(path):
+                    path.mkdir(parents=True, exist_ok=True)
+                    (path / "sources").mkdir(exist_ok=True)
+                    (path / "space.yaml").write_text(space.source_text())
+                run = RunDir(path)
+            else:
+                run = RunDir.create(DEFAULT_RUNS, space)
+                created = run.path
+            recorded_storage = _recorded_storage(args.storage) if args.storage else DEFAULT_STORAGE
+            storage = run.storage_url(recorded_storage)
+            meta = {"space": space.name, "space_path": str(space.path), "strategy": strategy, "seed": seed,
+                    "storage": recorded_storage, "study_name": args.study or run.name, "run_id": uuid.uuid4().hex,
+                    "run_name": run.name, "trials": trials, "time_s": time_s, "top_k": top_k,
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replay": str(replay.path) if replay else None,
+                    "shapes": args.shape or None, "added_shapes": args.add_shape or None}
+        if replay is None:
+            if args.resume and (run.path / "baseline.json").exists():
+                baseline = json.loads((run.path / "baseline.json").read_text())
+            else:
+                with console.status("timing SDPA's backends on every shape"):
+                    baseline = evaluators[0].baseline()
+                run.write_json("baseline.json", baseline)
+        elif baseline:
             run.write_json("baseline.json", baseline)
-    meta.update(gpu=info, arch=arch, devices=devices, case_flops={c.label(): c.flops() for c in space.cases})
-    run.write_meta(meta)
-    run.write_json("env.json", info)
+        meta.update(gpu=info, arch=arch, devices=devices, case_flops={c.label(): c.flops() for c in space.cases})
+        run.write_meta(meta)
+        run.write_json("env.json", info)
+    except BaseException:
+        _close(evaluators)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)  # no stub run left behind
+        raise
 
     heartbeat = args.heartbeat or meta.get("heartbeat_s") or DEFAULT_HEARTBEAT_S
     meta["heartbeat_s"] = heartbeat
@@ -241,9 +279,11 @@ def cmd_search(args: argparse.Namespace) -> int:
     sdpa_geomean = geomean([best_sdpa[c.label()][1] for c in space.cases]) if len(best_sdpa) == len(space.cases) else None
 
     on = f"{len(devices)} × {info.get('gpu')} (devices {','.join(map(str, devices))})" if len(devices) > 1 else info.get("gpu")
-    console.print(f"run [bold]{run.path}[/]  strategy {strategy}  budget {trials} evaluations"
-                  + (f" or {time_s / 60:.1f} min" if time_s else "") + f"  on {on}")
-    console.print(f"study: {storage}  (optuna-dashboard {storage})")
+    # paths and commands on lines of their own, never wrapped, so that they copy whole
+    console.print(f"run [bold]{run.path}[/]", soft_wrap=True)
+    console.print(f"strategy {strategy}, budget {trials} evaluations" + (f" or {time_s / 60:.1f} min" if time_s else "")
+                  + f", on {on}", soft_wrap=True)
+    console.print(f"dashboard: optuna-dashboard {storage}", soft_wrap=True)
 
     done_before = len(run.results())
     with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -267,9 +307,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     finalists = best_results(run, top_k)
     board = _finalize(run, space, evaluators[0], finalists, baseline, info, console,
                       retime_rounds=0 if args.replay else args.retime_rounds)
-    for ev in evaluators:
-        if hasattr(ev, "close"):
-            ev.close()
+    _close(evaluators)
     meta.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), summary=summary)
     run.write_meta(meta)
 
@@ -284,9 +322,58 @@ def cmd_search(args: argparse.Namespace) -> int:
         print_grid(console, profile_grid(summary), wide=args.wide)
     if board["entries"]:
         print_grid(console, leaderboard_grid(board), wide=args.wide)
-    console.print(f"run directory: {run.path}\nleaderboard: evoengineer leaderboard {run.path}\n"
-                  f"export: evoengineer export {run.path} --rank 1 --out best/\ndashboard: optuna-dashboard {storage}")
+        next_steps = [f"leaderboard: evoengineer leaderboard {run.path}", f"report:      evoengineer report {run.path}",
+                      f"export:      evoengineer export {run.path} --rank 1 --out best/"]
+    else:
+        next_steps = [f"no configuration passed: each one's status and reason are in {run.path / 'results.jsonl'}"]
+    for line in [f"run directory: {run.path}", *next_steps, f"dashboard:   optuna-dashboard {storage}"]:
+        console.print(line, soft_wrap=True, markup=False)
     return EXIT_OK if board["entries"] else EXIT_FAILED
+
+
+def _start_gpus(space: Space, devices: list[int], seed: int | None, console: Console) -> tuple[list[Any], dict, str, Space]:
+    """One started GPU worker per device: (evaluators, the GPU's info, the arch compiled for,
+    the space for that arch). A worker that fails to start, or GPUs of several kinds, stop here."""
+    from ..gpu import Evaluator
+
+    import torch
+
+    missing = [d for d in devices if d >= torch.cuda.device_count()]
+    if missing:
+        raise UsageError(f"--devices: no GPU {missing[0]} on this machine ({torch.cuda.device_count()} visible)")
+    best_case_us: dict[str, float] = {}  # one racing table for every lane
+    evaluators = [Evaluator(space, device=d, seed=seed or 0, best_case_us=best_case_us) for d in devices]
+    try:
+        for ev in evaluators:
+            ev.worker.start()  # the workers start together
+        with console.status(f"starting {len(evaluators)} GPU worker(s)"):
+            infos = [ev.info() for ev in evaluators]
+        for d, one in zip(devices, infos):
+            if one.get("status") != "ok":
+                raise UsageError(f"the GPU worker on device {d} failed to start: {one.get('reason', '')}")
+        archs = sorted({one["arch"] for one in infos})
+        if len(archs) > 1:
+            raise UsageError(f"--devices: the GPUs differ ({', '.join(archs)}); run one search per kind of GPU on one study")
+    except BaseException:
+        _close(evaluators)
+        raise
+    info, arch = infos[0], arch_for_device(archs[0], space.target.arch)
+    if len(devices) > 1:
+        info = {**info, "devices": devices, "gpus": [one["gpu"] for one in infos]}
+    if arch != space.target.arch:
+        console.print(f"[yellow]note:[/] space {space.name} targets {space.target.name} ({space.target.arch}); "
+                      f"this GPU is {info['gpu']} ({archs[0]}): compiling for {arch}, without the paths "
+                      f"only {space.target.arch} has")
+        space = space.for_arch(arch)
+    for ev in evaluators:
+        ev.arch, ev.space = arch, space
+    return evaluators, info, arch, space
+
+
+def _close(evaluators: list[Any]) -> None:
+    for ev in evaluators:
+        if hasattr(ev, "close"):
+            ev.close()
 
 
 def _finalize(run: RunDir, space: Space, evaluator: Any, finalists: list[dict], baseline: dict, info: dict,
@@ -338,6 +425,17 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return status
 
 
+DEMO_TRIALS = 120
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``search --replay demo``: the shipped H100 recording on its own space, no GPU needed."""
+    argv = ["--replay", "demo", "--strategy", args.strategy, "--trials", str(args.trials), "--seed", str(args.seed)]
+    argv += ["--run-dir", args.run_dir] if args.run_dir else []
+    argv += [flag for flag, on in (("--quiet", args.quiet), ("--wide", args.wide), ("--verbose", args.verbose)) if on]
+    return cmd_search(args.search_parser.parse_args(argv))
+
+
 def _run_path(text: str) -> Path:
     path = Path(text)
     if not (path / "run.json").exists():
@@ -351,12 +449,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "time each on the GPU, record everything in a run directory and an Optuna study, then re-time "
                        "the top-K interleaved with SDPA and write the leaderboard. Ctrl-C or a kill leaves a run that "
                        "--resume continues.")
-    p.add_argument("--space", required=True, help="space YAML path or built-in name (l4, h100, h100-bf16, h100-decode; `evoengineer spaces` lists them)")
+    p.add_argument("--space", help="space YAML path or built-in name (l4, h100, h100-bf16, h100-decode; `evoengineer spaces` "
+                   "lists them); with --replay, the recording's own space by default")
     p.add_argument("--strategy", choices=STRATEGIES, help="evo, tpe, random or grid (default: the space's)")
-    p.add_argument("--trials", type=int, help="evaluation budget (default: the space's search.budget)")
-    p.add_argument("--time", help="time budget such as 90s, 15m, 1h (default: the space's search.time)")
-    p.add_argument("--top-k", type=int, dest="top_k", help="finalists to re-time for the leaderboard (default: the space's)")
-    p.add_argument("--seed", type=int, help="strategy and input seed (default 0)")
+    p.add_argument("--trials", type=whole(1), help="evaluation budget (default: the space's search.budget)")
+    p.add_argument("--time", type=duration, help="time budget such as 90s, 15m, 1h (default: the space's search.time)")
+    p.add_argument("--top-k", type=whole(1), dest="top_k", help="finalists to re-time for the leaderboard (default: the space's)")
+    p.add_argument("--seed", type=whole(0), help="strategy and input seed (default 0)")
     p.add_argument("--shape", action="append", metavar="B,H,S,D",
                    help="search only this shape of the space, full and causal (repeatable; default: every shape); "
                         "B,H,S/S_KV,D names a shape whose K/V length differs, e.g. 8,32,1/4096,128 (decode). "
@@ -371,22 +470,41 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--study", help="study name to create or join in --storage: several searches (one per GPU or host, "
                    "each with its own run directory) given the same --storage and --study share one search")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir (default: the latest run of the space)")
-    p.add_argument("--device", type=int, help="CUDA device index (default 0)")
+    p.add_argument("--device", type=whole(0), help="CUDA device index (default 0)")
     p.add_argument("--devices", help="evaluate on several GPUs of this host at once: indices such as 0,1,2,3 or 'all' "
                    "(one worker per GPU, one search, one study; with --replay, simulated devices)")
-    p.add_argument("--heartbeat", type=int, metavar="S",
+    p.add_argument("--heartbeat", type=whole(1), metavar="S",
                    help=f"seconds between the heartbeats of running trials in the study (default {DEFAULT_HEARTBEAT_S}); "
                         f"a trial silent for {GRACE_BEATS} heartbeats belongs to a dead search and is re-queued")
-    p.add_argument("--retime-rounds", type=int, default=3, help="interleaved re-timing rounds for the finalists (default 3)")
-    p.add_argument("--replay", help="answer from a recorded results file instead of a GPU (no compile, no GPU)")
-    p.add_argument("--replay-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--retime-rounds", type=whole(0), default=3,
+                   help="interleaved re-timing rounds for the finalists (default 3; 0: rank on the search's timings)")
+    p.add_argument("--replay", metavar="RECORDING",
+                   help="answer from a recording instead of a GPU (no compile, no GPU): a results.jsonl, a recording "
+                        "from benchmarks/record.py, or `demo` (shipped: an H100's times for the h100 space's mma path)")
+    p.add_argument("--replay-delay", type=number(0), default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--wide", action="store_true", help=WIDE_HELP)
     p.add_argument("--profile", action="store_true",
                    help="print where the time went: per phase (strategy, compile, load, gate, timing, ipc, storage) "
                         "the total, the mean per evaluation and the share of the wall time")
     p.add_argument("--json", action="store_true", help="print the run's summary (as in run.json) and leaderboard as JSON")
+    p.add_argument("--verbose", action="store_true", help="also print Optuna's own log lines")
     p.set_defaults(func=cmd_search)
+    search_parser = p
+
+    p = sub.add_parser("demo", help="a search without a GPU: replay an H100's recorded times (search --replay demo)",
+                       description="Search the h100 space's mma path on B1 H8 S512 D64 (778 valid configurations), "
+                       "answered from times an H100 recorded for every one of them (shipped with the package): the "
+                       "search, its run directory and leaderboard as on a GPU, in seconds. Then leaderboard, report "
+                       "and export take the run directory it prints, as after any search.")
+    p.add_argument("--trials", type=whole(1), default=DEMO_TRIALS, help=f"evaluation budget (default {DEMO_TRIALS})")
+    p.add_argument("--strategy", choices=STRATEGIES, default="evo", help="evo, tpe, random or grid (default evo)")
+    p.add_argument("--seed", type=whole(0), default=0, help="strategy seed (default 0)")
+    p.add_argument("--run-dir", help="the run's directory (default runs/<date>-h100_mma_seed-<id>/)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--wide", action="store_true", help=WIDE_HELP)
+    p.add_argument("--verbose", action="store_true", help="also print Optuna's own log lines")
+    p.set_defaults(func=cmd_demo, search_parser=search_parser)
 
     p = sub.add_parser("runs", help="list search runs")
     p.add_argument("--root", default=str(DEFAULT_RUNS), help="where runs live (default runs/)")

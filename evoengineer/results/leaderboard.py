@@ -31,7 +31,9 @@ def build_leaderboard(records: list[dict], retimed: dict | None, baseline: dict,
         cases = []
         for label, case in per_case.items():
             median = case["time"]["median_us"]
-            spread = (case["time"]["p80_us"] - case["time"]["p20_us"]) / median
+            # a replayed record has the median alone: no spread
+            spread = ((case["time"]["p80_us"] - case["time"]["p20_us"]) / median
+                      if "p80_us" in case["time"] and "p20_us" in case["time"] else None)
             if retimed:
                 again = retimed["candidates"].get(record["key"], {}).get(label)
                 if again is None:
@@ -48,9 +50,11 @@ def build_leaderboard(records: list[dict], retimed: dict | None, baseline: dict,
                 "config": record["config"], "key": record["key"], "resources": record.get("resources", {}),
                 "cases": cases,
                 "geomean_us": geomean([c["median_us"] for c in cases]) if cases else record["objective_us"],
-                "spread": max((c["spread"] for c in cases), default=0.0),
+                "spread": max((c["spread"] for c in cases), default=0.0)
+                if all(c["spread"] is not None for c in cases) else None,
                 "tflops": geomean([c["tflops"] for c in cases if c["tflops"] > 0]) if cases else 0.0,
-                "max_abs_err": max((c["max_abs_err"] or 0.0 for c in cases), default=0.0),
+                "max_abs_err": max((c["max_abs_err"] or 0.0 for c in cases), default=0.0)
+                if all(c["max_abs_err"] is not None for c in cases) else None,
                 "speedup": _speedups(cases, sdpa),
             })
     entries.sort(key=lambda e: e["geomean_us"])
@@ -117,9 +121,10 @@ def leaderboard_csv(board: dict) -> str:
                      "registers", "smem", "spill_bytes", "max_abs_err", "label"])
     for e in board["entries"]:
         r = e.get("resources", {})
-        writer.writerow([e["rank"], _short(e["config"]), f"{e['geomean_us']:.4f}", f"{e['spread']:.4f}", f"{e['tflops']:.2f}",
+        writer.writerow([e["rank"], _short(e["config"]), f"{e['geomean_us']:.4f}", f"{e['spread']:.4f}" if e["spread"] is not None else "", f"{e['tflops']:.2f}",
                          *(f"{e['speedup'][b]:.4f}" if e["speedup"].get(b) else "" for b in SDPA_BACKENDS),
-                         r.get("registers", ""), r.get("smem", ""), r.get("spill_bytes", ""), e["max_abs_err"],
+                         r.get("registers", ""), r.get("smem", ""), r.get("spill_bytes", ""),
+                         e["max_abs_err"] if e["max_abs_err"] is not None else "",
                          Config(e["config"]).short_label()])
     for row in board["sdpa"]:
         writer.writerow(["", f"SDPA {row['backend']}", f"{row['geomean_us']:.4f}", "", f"{row['tflops']:.2f}", *([""] * len(SDPA_BACKENDS)), "", "", "", "", ""])

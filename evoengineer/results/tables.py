@@ -165,9 +165,10 @@ def leaderboard_grid(board: dict, title: str = "") -> Grid:
     for e in board["entries"]:
         r = e.get("resources", {})
         times = {c["label"]: c["median_us"] for c in e.get("cases", [])}
-        measured = bool(times)  # a replayed run records no per-shape figures
+        measured = bool(times)  # a run replayed from a recording without per-case times has none
+        spread = e.get("spread") if measured else None
         grid.add(
-            str(e["rank"]), label(e["config"]), f"{e['geomean_us']:.2f}", f"{e['spread'] * 100:.1f}%" if measured else "-",
+            str(e["rank"]), label(e["config"]), f"{e['geomean_us']:.2f}", f"{spread * 100:.1f}%" if spread is not None else "-",
             _num(speedup_vs_fastest(times, fastest), ".2f"),
             *(_num(e.get("speedup", {}).get(b), ".2f") for b in SDPA_BACKENDS),
             _num(e.get("tflops") or None, ".1f"), str(r.get("registers", "-")), str(r.get("smem", "-")),

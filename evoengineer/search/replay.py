@@ -5,16 +5,20 @@ A recording is JSONL, one result per line::
     {"config": {...}, "key": "...", "status": "ok", "reason": "", "objective_us": 41.2}
 
 with an optional first line ``{"header": {"space": "l4", "gpu": ...}}`` naming a built-in
-space, or ``{"header": {"space_inline": {...}}}`` carrying the space itself. Other keys of a
-record (per-case times, ...) are ignored; a path ending in ``.gz`` is read through gzip.
+space, or ``{"header": {"space_inline": {...}}}`` carrying the space itself; a header's
+``gpu`` and ``sdpa_fastest_us`` (per case, the fastest SDPA backend and its time) are what a
+replayed run reports as its GPU and its SDPA baseline. A record's ``cases`` (case label ->
+median µs, or a run's list of case records) are its per-case times; a path ending in ``.gz``
+is read through gzip.
 """
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -35,6 +39,8 @@ class ReplayResult:
     status: str
     reason: str = ""
     objective_us: float | None = None
+    cases: dict[str, float] = field(default_factory=dict, compare=False)
+    """Case label -> median µs, where the recording has them."""
 
     @property
     def ok(self) -> bool:
@@ -91,6 +97,54 @@ class ReplayEvaluator:
     def evaluate(self, config: Mapping[str, Any]) -> ReplayResult:
         return self.records.get(Config(config), ReplayResult("invalid", NOT_RECORDED, None))
 
+    @property
+    def gpu(self) -> str | None:
+        """The GPU the recording was made on, as its header names it."""
+        gpu = self.header.get("gpu") or (self.header.get("env") or {}).get("gpu")
+        return str(gpu) if gpu else None
+
+    def case_labels(self) -> list[str]:
+        """The cases the recording has per-case times for (empty: none)."""
+        labels: dict[str, None] = {}
+        for result in self.records.values():
+            labels.update(dict.fromkeys(result.cases))
+        return list(labels)
+
+    def baseline(self) -> dict[str, dict[str, dict]]:
+        """The header's fastest SDPA backend per case, as a run's ``baseline.json`` holds it
+        (label -> backend -> row); empty when the header has none."""
+        out: dict[str, dict[str, dict]] = {}
+        for label, row in (self.header.get("sdpa_fastest_us") or {}).items():
+            if isinstance(row, Mapping) and row.get("backend") and _finite(row.get("us")):
+                out[str(label)] = {str(row["backend"]): {"status": "ok", "time": {"median_us": float(row["us"])}}}
+        return out
+
+    def mismatch(self, space: Space, sample: int = 200) -> str | None:
+        """Why the recording cannot answer for ``space`` (one line), or None when it can: other
+        parameters, cases it has no times for, or none of the space's first ``sample`` valid
+        configurations recorded."""
+        made_on = f" (recorded on space {self.space_name})" if self.space_name else ""
+        first = next(iter(self.records), None)
+        if first is None:
+            return f"{self.path.name} holds no evaluations"
+        recorded, wanted = set(first), set(space.param_names)
+        if recorded != wanted:
+            extra, lacking = sorted(wanted - recorded), sorted(recorded - wanted)
+            detail = (f"space {space.name} has parameter(s) {', '.join(extra)} that it does not record" if extra else
+                      f"it records parameter(s) {', '.join(lacking)} that space {space.name} does not have")
+            return f"{self.path.name}{made_on} does not match space {space.name}: {detail}"
+        labels = self.case_labels()
+        if labels:
+            missing = [c.label() for c in space.cases if c.label() not in labels]
+            if missing:
+                return (f"{self.path.name}{made_on} has no times for case {missing[0]!r} of space {space.name}; "
+                        f"it timed {', '.join(labels)}")
+        head = list(itertools.islice(space.valid_configs(), sample))
+        if head and not any(c in self.records for c in head):
+            return (f"{self.path.name}{made_on} records none of the first {len(head)} valid configurations of "
+                    f"space {space.name}, e.g. {head[0].label()}")
+        return None
+
     def optimum(self) -> tuple[Config, float]:
         """The best ``ok`` record (lowest objective)."""
         ok = [(r.objective_us, c) for c, r in self.records.items() if r.ok]
@@ -98,6 +152,10 @@ class ReplayEvaluator:
             raise ValueError(f"{self.path}: no ok record")
         value, config = min(ok, key=lambda item: (item[0], item[1].key()))
         return config, float(value)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _result(obj: Mapping[str, Any], where: str) -> ReplayResult:
@@ -109,31 +167,55 @@ def _result(obj: Mapping[str, Any], where: str) -> ReplayResult:
             value = None
     if status == "ok" and value is None:
         raise ValueError(f"{where}: an ok record needs a finite objective_us")
-    return ReplayResult(status, str(obj.get("reason") or ""), value)
+    return ReplayResult(status, str(obj.get("reason") or ""), value, _case_times(obj.get("cases")) if status == "ok" else {})
+
+
+def _case_times(cases: Any) -> dict[str, float]:
+    """Case label -> median µs from a recording's ``{label: µs}`` or a run's case records."""
+    if isinstance(cases, Mapping):
+        return {str(label): float(us) for label, us in cases.items() if _finite(us)}
+    out: dict[str, float] = {}
+    for case in cases if isinstance(cases, list) else ():
+        median = (case.get("time") or {}).get("median_us") if isinstance(case, Mapping) else None
+        if _finite(median):
+            out[str(case.get("label"))] = float(median)
+    return out
 
 
 class ReplayCandidates:
     """Answers from a recording instead of a GPU (tests, demos, strategy comparisons)."""
 
     def __init__(self, path: Path, delay_s: float = 0.0, device: int | None = None,
-                 replay: ReplayEvaluator | None = None) -> None:
+                 replay: ReplayEvaluator | None = None, labels: Sequence[str] | None = None) -> None:
         self.replay = replay or ReplayEvaluator(path)
         self.delay_s = delay_s
         self.device = device
+        self.labels = list(labels) if labels is not None else None
+        """The cases a result reports (the space's); None: every recorded one."""
 
     def on_devices(self, devices: Sequence[int]) -> list["ReplayCandidates"]:
         """One evaluator per simulated device, sharing this recording (evaluated in parallel,
         one lane each, like GPUs)."""
-        return [ReplayCandidates(self.replay.path, self.delay_s, device=d, replay=self.replay) for d in devices]
+        return [ReplayCandidates(self.replay.path, self.delay_s, device=d, replay=self.replay, labels=self.labels)
+                for d in devices]
 
     def evaluate(self, config: Config, report: StaticReport | None = None) -> EvalResult:
-        """The recorded result after ``delay_s`` (standing for the GPU's time, counted as ``timing``)."""
+        """The recorded result after ``delay_s`` (standing for the GPU's time, counted as
+        ``timing``), with the recorded per-case times of the space's cases; where those are a
+        subset of the recorded ones, the objective is their geometric mean."""
         started = time.perf_counter()
         time.sleep(self.delay_s)
         answer = self.replay.evaluate(config)
+        objective, cases = answer.objective_us, []
+        if answer.ok and answer.cases:
+            labels = self.labels if self.labels is not None else list(answer.cases)
+            if all(label in answer.cases for label in labels) and labels:
+                cases = [{"label": label, "status": "ok", "time": {"median_us": answer.cases[label]}} for label in labels]
+                if set(labels) != set(answer.cases):
+                    objective = math.exp(sum(math.log(answer.cases[label]) for label in labels) / len(labels))
         spent = time.perf_counter() - started
         return EvalResult(config=config.to_dict(), key=config.key(), status=answer.status, reason=answer.reason,
-                          objective_us=answer.objective_us, eval_s=round(spent, 3), phases={"timing": round(spent, 4)})
+                          cases=cases, objective_us=objective, eval_s=round(spent, 3), phases={"timing": round(spent, 4)})
 
 
 

@@ -10,7 +10,7 @@ import pytest
 from evoengineer.kernels import KERNEL_ARGS, Launch, Rendered, compile_source
 from evoengineer.space import Case, Config, Variant
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
 NAIVE = r"""
 typedef unsigned short half_t;

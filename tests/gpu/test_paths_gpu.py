@@ -11,7 +11,7 @@ import pytest
 from evoengineer.kernels import compile_source, render
 from evoengineer.space import Case, Config, Variant
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
 CONFIGS = [
     Config(PATH="scalar", BLOCK_M=16, BLOCK_N=16, WARPS=1, VEC=1),

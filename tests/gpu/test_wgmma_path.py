@@ -15,7 +15,7 @@ from evoengineer.space import Case, Config, Variant, load_space
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
 SPACE = load_space("h100")
 SEEDS = [c for c in SPACE.search.seeds if c["PATH"] == "wgmma" and c["LOAD"] == "cpasync"]

@@ -1,0 +1,42 @@
+"""The test suite's own rules (tests/conftest.py): slow tests left out unless asked for, GPU
+tests left out where there is no GPU, each with one summary line instead of a skip mark apiece."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _collect(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+def test_slow_tests_run_only_when_asked_for() -> None:
+    fast = _collect("tests/test_search_cli.py")
+    assert fast.returncode == 0, fast.stdout + fast.stderr
+    assert "test_one_search_on_several_devices" not in fast.stdout and "test_demo_replays" in fast.stdout
+    assert "not run: 1 tests marked slow (--slow runs them too, -m slow only them)" in fast.stdout
+    only = _collect("tests/test_search_cli.py", "-m", "slow")
+    assert [line for line in only.stdout.splitlines() if "::" in line] == [
+        "tests/test_search_cli.py::test_one_search_on_several_devices"]
+    both = _collect("tests/test_search_cli.py", "--slow")
+    assert "test_one_search_on_several_devices" in both.stdout and "test_demo_replays" in both.stdout
+
+
+def test_first_only_rules_keep_one_parametrization_in_the_fast_suite() -> None:
+    fast = _collect("tests/test_check.py", "-k", "every_path")
+    assert [line for line in fast.stdout.splitlines() if "::" in line] == [
+        "tests/test_check.py::test_every_path_of_shipped_spaces_compiles[sm_89-l4]"]
+
+
+def test_gpu_tests_are_left_out_with_one_line_where_there_is_no_gpu() -> None:
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the GPU tests run")
+    out = _collect("tests/gpu/test_gate.py")
+    assert "::" not in out.stdout and "tests need a CUDA GPU, none here" in out.stdout
