@@ -20,8 +20,8 @@ from evoengineer.gpu import STATUSES
 from evoengineer.search import Ledger
 
 REPO = Path(__file__).resolve().parent.parent
-SPACE = REPO / "benchmarks" / "spaces" / "h100_mma_seed.yaml"
-RECORDING = REPO / "benchmarks" / "recordings" / "h100_mma_seed.jsonl"
+SPACE = REPO / "recordings" / "h100_mma_seed.yaml"
+RECORDING = REPO / "recordings" / "h100_mma_seed.jsonl"
 SPACE_BUDGET = 100  # h100_mma_seed.yaml's search.budget: what a resume must not fall back to
 
 

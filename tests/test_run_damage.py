@@ -19,8 +19,8 @@ from run_fixtures import recorded_keys  # noqa: E402
 from evoengineer.gpu import STATUSES
 
 REPO = Path(__file__).resolve().parent.parent
-SPACE = REPO / "benchmarks" / "spaces" / "h100_mma_seed.yaml"
-RECORDING = REPO / "benchmarks" / "recordings" / "h100_mma_seed.jsonl"
+SPACE = REPO / "recordings" / "h100_mma_seed.yaml"
+RECORDING = REPO / "recordings" / "h100_mma_seed.jsonl"
 BUDGET = 10
 
 

@@ -16,8 +16,8 @@ import yaml
 from evoengineer.space import SpaceError, load_space
 
 REPO = Path(__file__).resolve().parent.parent
-RECORDING = REPO / "benchmarks" / "recordings" / "h100_mma_seed.jsonl"
-SEED_SPACE = REPO / "benchmarks" / "spaces" / "h100_mma_seed.yaml"
+RECORDING = REPO / "recordings" / "h100_mma_seed.jsonl"
+SEED_SPACE = REPO / "recordings" / "h100_mma_seed.yaml"
 
 
 def _limit_memory() -> None:
