@@ -71,8 +71,11 @@ def param_sides(space: Space, config: Config, spec: str) -> tuple[Space, Side, S
     listed = space.param(name).values
     extra = tuple(v for v in dict.fromkeys(values) if v not in listed)
     if extra:
-        space = dataclasses.replace(space, params=tuple(Param(p.name, p.values + extra) if p.name == name else p
-                                                        for p in space.params))
+        def widened(params: tuple[Param, ...]) -> tuple[Param, ...]:
+            return tuple(Param(p.name, p.values + extra) if p.name == name else p for p in params)
+
+        space = dataclasses.replace(space, params=widened(space.params),
+                                    paths=tuple(dataclasses.replace(own, params=widened(own.params)) for own in space.paths))
     if len(values) == 2:
         a, b = config.replace(**{name: values[0]}), config.replace(**{name: values[1]})
     else:
