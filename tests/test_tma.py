@@ -291,8 +291,9 @@ def test_the_driver_is_called_with_the_maps_geometry() -> None:
 def test_a_refusal_of_the_driver_is_an_error_naming_the_map() -> None:
     drv, _keep = _stand_in_driver([], status=1)
     k = torch.empty(1, 1, 64, 64, dtype=torch.float16)
+    storage = MapStorage(1)  # alive while the stand-in writes into it
     with pytest.raises(TensorMapError, match=r"cuTensorMapEncodeTiled failed \(CUresult 1\) for dims \(64, 64, 1, 1\)"):
-        drv.encode(MapStorage(1).addresses[0], map_geometry(K_MAP, k.shape, k.stride(), "fp16"), 0x1000)
+        drv.encode(storage.addresses[0], map_geometry(K_MAP, k.shape, k.stride(), "fp16"), 0x1000)
     with pytest.raises(TensorMapError, match="libcuda|driver"):
         Driver.load("libno-such-cuda-driver.so.1")
 
