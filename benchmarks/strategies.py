@@ -74,8 +74,8 @@ from optuna.trial import TrialState
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_tuner_replay as ktr  # noqa: E402
 
-from evoengineer.search import ReplayEvaluator, replay_trial  # noqa: E402
-from evoengineer.search.strategies import SAMPLERS, make_sampler  # noqa: E402
+from evoengineer.search import ReplayEvaluator  # noqa: E402
+from evoengineer.search.strategies import SAMPLERS, make_sampler, suggest_config  # noqa: E402
 from evoengineer.space import Config, SearchSettings, Space  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,13 +156,24 @@ def default_recordings() -> list[Path]:
 # -- runs: each returns the objectives (None: failed) of the distinct configurations, in order
 
 
-def run_ours(rec: Recording, name: str, seed: int, budget: int) -> list[float | None]:
-    study = optuna.create_study(sampler=make_sampler(name, rec.space, seed=seed))
+def run_ours(rec: Recording, name: str, seed: int, budget: int, batch: int = 1) -> list[float | None]:
+    """With ``batch`` k > 1: k trials are asked (the strategy proposes the k at once, each
+    later one seeing the earlier ones as pending), then the k are evaluated and told."""
+    sampler = make_sampler(name, rec.space, seed=seed)
+    sampler.batch_size = batch
+    study = optuna.create_study(sampler=sampler)
     trace: list[float | None] = []
-    for _ in range(budget):
-        _, result = replay_trial(study, rec.space, rec.replay)
-        trace.append(result.objective_us if result.ok else None)
-        if result.ok and result.objective_us <= rec.optimum:
+    while len(trace) < budget:
+        trials = [study.ask() for _ in range(min(batch, budget - len(trace)))]
+        configs = [suggest_config(trial, rec.space) for trial in trials]
+        for trial, config in zip(trials, configs):
+            result = rec.replay.evaluate(config)
+            trace.append(result.objective_us if result.ok else None)
+            if result.ok:
+                study.tell(trial, result.objective_us)
+            else:
+                study.tell(trial, state=TrialState.FAIL)
+        if any(v is not None and v <= rec.optimum for v in trace[-len(trials):]):
             break  # nothing left to find
     return trace
 
@@ -224,13 +235,19 @@ class Task:
     seed: int
     budget: int
     kt_cache: str | None = None
+    batch: int = 1
+
+    @property
+    def label(self) -> str:
+        """The strategy's row: ``evo``, or ``evo k=8`` for proposals in batches of 8."""
+        return self.strategy if self.batch == 1 else f"{self.strategy} k={self.batch}"
 
 
 def run_task(task: Task) -> tuple[Task, list[float | None], float]:
     rec = load_recording(task.recording, task.keep_seeds)
     started = time.perf_counter()
     if task.strategy in OURS:
-        trace = run_ours(rec, task.strategy, task.seed, task.budget)
+        trace = run_ours(rec, task.strategy, task.seed, task.budget, task.batch)
     elif task.strategy.startswith("optuna-"):
         trace = run_optuna(rec, task.strategy, task.seed, task.budget)
     elif task.strategy.startswith("kt-"):
@@ -369,8 +386,10 @@ def benchmark(
     workers: int = 1,
     keep_seeds: bool = False,
     progress: Callable[[str], None] | None = None,
+    batches: Sequence[int] = (1,),
 ) -> dict[str, Any]:
-    """Replay every strategy ``seeds`` times on every recording; the statistics as a JSON-able dict."""
+    """Replay every strategy ``seeds`` times on every recording; the statistics as a JSON-able dict.
+    ``batches``: batch sizes our strategies propose in (a row per size beyond 1: ``evo k=8``)."""
     names, notes = available_strategies(strategies)
     results: dict[str, Any] = {"seeds": seeds, "keep_seeds": keep_seeds, "default": DEFAULT_STRATEGY, "notes": notes,
                                "kernel_tuner": ktr.version() if ktr.available() else None, "optuna": optuna.__version__,
@@ -387,13 +406,19 @@ def benchmark(
             if any(s.startswith("kt-") for s in names):
                 cache = str(ktr.write_cache(rec.replay, rec.space, Path(tmp) / f"{len(recs)}-{rec.name}.json"))
             for name in names:
-                for seed in range(1 if name in DETERMINISTIC else seeds):
-                    tasks.append(Task(str(path), keep_seeds, name, seed, runs, cache if name.startswith("kt-") else None))
+                for batch in (batches if name in OURS else (1,)):
+                    for seed in range(1 if name in DETERMINISTIC else seeds):
+                        tasks.append(Task(str(path), keep_seeds, name, seed, runs, cache if name.startswith("kt-") else None,
+                                          batch))
         traces: dict[tuple[str, str], list[list[float | None]]] = {}
         seconds: dict[tuple[str, str], float] = {}
+        labels: list[str] = []
         for task, trace, took in _map(tasks, workers, progress):
-            traces.setdefault((task.recording, task.strategy), []).append(trace)
-            seconds[(task.recording, task.strategy)] = seconds.get((task.recording, task.strategy), 0.0) + took
+            traces.setdefault((task.recording, task.label), []).append(trace)
+            seconds[(task.recording, task.label)] = seconds.get((task.recording, task.label), 0.0) + took
+        for task in tasks:
+            if task.label not in labels:
+                labels.append(task.label)
 
     for path, rec in recs.items():
         n = len(rec.valid)
@@ -408,7 +433,9 @@ def benchmark(
             "random_curve": random_curve.tolist(),
             "strategies": {},
         }
-        for name in names:
+        for name in labels:
+            if (path, name) not in traces:
+                continue
             stats = summarise(rec, traces[(path, name)], runs, random_curve)
             stats["cpu_s"] = round(seconds[(path, name)], 2)
             entry["strategies"][name] = stats
@@ -571,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, help="evaluations per run (default: the recording's valid size)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: one per core)")
     parser.add_argument("--keep-seeds", action="store_true", help="let evo start from the space's seed configurations")
+    parser.add_argument("--batch", default="1",
+                        help="comma-separated batch sizes our strategies propose in (default 1; e.g. 1,4,8,16: a row each)")
     parser.add_argument("--plot", type=Path, help="write the best-so-far curves to this PNG")
     parser.add_argument("--json", type=Path, help="write every statistic to this JSON file")
     parser.add_argument("--quiet", action="store_true")
@@ -586,8 +615,15 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--seeds and --budget must be at least 1")
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies else None
         try:
+            batches = [int(b) for b in args.batch.split(",") if b.strip()]
+        except ValueError:
+            raise UsageError(f"--batch: expected comma-separated integers, got {args.batch!r}") from None
+        if not batches or min(batches) < 1:
+            raise UsageError(f"--batch: batch sizes must be at least 1, got {args.batch!r}")
+        try:
             results = benchmark(recordings, strategies, args.seeds, args.budget, args.workers, args.keep_seeds,
-                                progress=None if args.quiet else lambda m: print(m, file=sys.stderr, flush=True))
+                                progress=None if args.quiet else lambda m: print(m, file=sys.stderr, flush=True),
+                                batches=batches)
         except (ValueError, KeyError) as exc:
             raise UsageError(str(exc)) from None
     except UsageError as exc:

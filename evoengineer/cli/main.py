@@ -6,7 +6,7 @@ import sys
 from typing import Sequence
 
 from .. import __version__
-from . import gpu_commands, results_commands, search_commands, space_commands
+from . import gpu_commands, import_commands, results_commands, search_commands, space_commands
 from .common import EXIT_USAGE, UsageError
 
 # -- parser ------------------------------------------------------------------------
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"evoengineer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    for commands in (space_commands, gpu_commands, search_commands, results_commands):
+    for commands in (space_commands, gpu_commands, search_commands, results_commands, import_commands):
         commands.register(sub)
     return parser
 

@@ -65,6 +65,10 @@ def cmd_search(args: argparse.Namespace) -> int:
     devices = _parse_devices(args)
     if args.replay and not Path(args.replay).is_file():
         raise UsageError(f"--replay: {args.replay}: no such file (a results.jsonl or a recording from benchmarks/record.py)")
+    if space.recorded:  # known only by its recording: search it by replay
+        if not args.replay:
+            raise UsageError(f"--space: {args.space} is a recorded problem (problem.kind: recorded); search it with --replay RECORDING")
+        space = ReplayCandidates(Path(args.replay)).replay.narrow(space)
     if args.heartbeat is not None and args.heartbeat < 1:
         raise UsageError(f"--heartbeat: expected a whole number of seconds >= 1, got {args.heartbeat}")
     console = Console(highlight=False, stderr=args.json)  # with --json, stdout holds only the JSON

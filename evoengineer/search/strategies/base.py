@@ -12,12 +12,21 @@ origin and parents), where workers see it before the trial's parameters are stor
 Randomness: each proposal draws from ``random.Random(f"{seed}:{trial number}")``, so a
 proposal is a function of the seed, the trial number and the study's history, and
 workers started with the same seed still draw differently.
+
+Batches: with ``batch_size`` k > 1, a trial that finds no proposal waiting computes k at
+once (``propose_batch``: each later one sees the earlier ones as pending, which a model
+fantasises, so one model fit serves the batch) and the next trials take the rest, each
+still claimed in the ledger when it is taken. ``prefetch(study, k)`` computes the next
+batch on a background thread while the queue still holds proposals, so that an ask only
+pops one: the search loop calls it with the number of devices.
 """
 from __future__ import annotations
 
 import abc
 import bisect
+import collections
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -170,6 +179,14 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         self._proposals: dict[int, Proposal] = {}
         self._reader = HistoryReader(self._names)
         self._fallback = optuna.samplers.RandomSampler(seed=seed)
+        self.batch_size = 1
+        """Proposals computed at once when none is waiting (the search loop sets it)."""
+        self._queue: collections.deque[Proposal] = collections.deque()
+        self._compute = threading.Lock()  # one batch computation at a time (they share the model and the rng)
+        self._reading = threading.Lock()  # the history reader is not re-entrant
+        self._background: threading.Thread | None = None
+        self._background_runs = 0
+        self.batch_stats = {"batches": 0, "proposals": 0, "seconds": 0.0, "background": 0}
 
     def __str__(self) -> str:
         return f"{type(self).__name__}({self.space.name})"
@@ -211,12 +228,91 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         return history.seen.issuperset(self.valid_set)
 
     def history(self, study: Study, exclude: int | None = None) -> History:
-        return self._reader.read(study, exclude)
+        with self._reading:
+            return self._reader.read(study, exclude)
 
     # -- what a strategy implements ----------------------------------------------
     @abc.abstractmethod
     def propose(self, study: Study, trial: FrozenTrial, history: History) -> Proposal:
         """A valid configuration not in ``history.seen``."""
+
+    def propose_batch(self, study: Study, trial: FrozenTrial | None, history: History, k: int) -> list[Proposal]:
+        """Up to ``k`` distinct valid configurations not in ``history.seen``; each is added to
+        ``history.seen`` before the next is proposed, so that a model counts it as pending (a
+        strategy with a model overrides this to fit it once per batch)."""
+        out: list[Proposal] = []
+        for _ in range(k):
+            if self.exhausted(history):
+                break
+            proposal = self.propose(study, trial, history)  # type: ignore[arg-type]
+            out.append(proposal)
+            history.seen.add(proposal.config)
+            history.n_trials += 1  # a trial will hold it
+        return out
+
+    # -- batches ----------------------------------------------------------------------------
+    def prefetch(self, study: Study, k: int) -> None:
+        """Keep about ``k`` proposals waiting: when half or fewer are left, compute the next
+        batch on a background thread (no-op while one is under way)."""
+        k = max(1, k)
+        if len(self._queue) > k // 2 or (self._background is not None and self._background.is_alive()):
+            return
+        self._background_runs += 1
+        label = f"{self._base_seed}:background:{self._background_runs}"
+        self._background = threading.Thread(target=self._fill, args=(study, k, label),
+                                            name="evoengineer-proposals", daemon=True)
+        self._background.start()
+
+    def wait_prefetch(self, timeout: float | None = None) -> None:
+        """Wait for the background batch (tests, the loop's end)."""
+        if self._background is not None:
+            self._background.join(timeout)
+
+    def _fill(self, study: Study, k: int, label: str) -> None:
+        try:
+            history = self.history(study)
+            with self._compute:
+                for queued in self._queue:
+                    history.seen.add(queued.config)
+                want = k - len(self._queue)
+                if want <= 0 or self.exhausted(history):
+                    return
+                self._queue.extend(self._batch(study, None, history, want, random.Random(label), background=True))
+        except Exception:  # noqa: BLE001 - a failed prefetch leaves the next ask to compute its own
+            return
+
+    def _batch(self, study: Study, trial: FrozenTrial | None, history: History, k: int, rng: random.Random,
+               background: bool = False) -> list[Proposal]:
+        """``propose_batch`` with ``rng`` (call with ``_compute`` held), counted in ``batch_stats``."""
+        import time
+
+        started = time.perf_counter()
+        self._rng = rng
+        batch = self.propose_batch(study, trial, history, k)
+        stats = self.batch_stats
+        stats["batches"] += 1
+        stats["proposals"] += len(batch)
+        stats["seconds"] += time.perf_counter() - started
+        stats["background"] += int(background)
+        return batch
+
+    def _take(self, study: Study, trial: FrozenTrial, history: History, rng: random.Random) -> Proposal:
+        """The next waiting proposal the study does not hold yet, else a new batch's first."""
+        if self.exhausted(history):
+            return Proposal(rng.choice(self.valid), "repeat")
+        while True:
+            while self._queue:
+                proposal = self._queue.popleft()
+                if proposal.config not in history.seen:
+                    return proposal
+            with self._compute:
+                if self._queue:  # a background batch came in meanwhile
+                    continue
+                batch = self._batch(study, trial, history, max(1, self.batch_size), rng)
+                if not batch:
+                    return Proposal(rng.choice(self.valid), "repeat")
+                self._queue.extend(batch[1:])
+                return batch[0]
 
     # -- Optuna's sampler interface -----------------------------------------------
     def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
@@ -230,11 +326,11 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         fixed = trial.system_attrs.get("fixed_params") or {}
         if all(n in fixed for n in self._names):  # an enqueued trial: its values win
             return {n: fixed[n] for n in search_space if n in fixed}
-        self._rng = random.Random(f"{self._base_seed}:{trial.number}")
+        rng = random.Random(f"{self._base_seed}:{trial.number}")
         history = self.history(study, exclude=trial.number)
         ledger = Ledger(study)
         for attempt in range(1, _CLAIM_TRIES + 1):
-            proposal = self._propose_or_repeat(study, trial, history)
+            proposal = self._take(study, trial, history, rng)
             if proposal.origin == "repeat":
                 break
             if ledger.atomic:
@@ -245,7 +341,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
             if won:
                 break
             history.seen.add(proposal.config)
-            self._rng = random.Random(f"{self._base_seed}:{trial.number}:{attempt}")
+            rng = random.Random(f"{self._base_seed}:{trial.number}:{attempt}")
         else:  # every claim lost: nothing new could be had
             proposal = Proposal(proposal.config, "repeat")
         self._claim(study, trial, proposal)
@@ -275,11 +371,6 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         self._fallback.reseed_rng()
 
     # -- internals ----------------------------------------------------------------------
-    def _propose_or_repeat(self, study: Study, trial: FrozenTrial, history: History) -> Proposal:
-        if self.exhausted(history):
-            return Proposal(self._rng.choice(self.valid), "repeat")
-        return self.propose(study, trial, history)
-
     def _claim(self, study: Study, trial: FrozenTrial, proposal: Proposal) -> None:
         study._storage.set_trial_system_attr(trial._trial_id, CLAIM_KEY, proposal.to_attr())
 

@@ -100,6 +100,7 @@ class EvoSampler(SpaceSampler):
         self.gp = GaussianProcess()
         self._encoder = Encoder(space)
         self._tables: _Tables | None = None
+        self._batch_fits: int | None = None  # fits in the batch under way (None: no batch)
 
     # -- public helpers -------------------------------------------------------------------
     def parents(self, study: Study) -> list[Config]:
@@ -155,6 +156,15 @@ class EvoSampler(SpaceSampler):
         score = self._score([tables.index[p.config] for p in proposals], history)
         return proposals[int(np.argmax(score))]
 
+    def propose_batch(self, study: Study, trial: FrozenTrial | None, history: History, k: int) -> list[Proposal]:
+        """``k`` proposals from one model fit: the later ones refit the process with the same
+        length scale and noise, the earlier ones pending at the successes' mean (constant liar)."""
+        self._batch_fits = 0
+        try:
+            return super().propose_batch(study, trial, history, k)
+        finally:
+            self._batch_fits = None
+
     def best_unseen(self, history: History) -> Proposal:
         """The valid configuration not in the study of highest expected improvement."""
         free = self.tables.unseen(history)
@@ -184,7 +194,9 @@ class EvoSampler(SpaceSampler):
         ok = [(tables.index[c], v) for c, v in history.complete if v > 0 and c in tables.index]
         done = {c for c, _ in history.complete} | set(history.failed)
         pending = [tables.index[c] for c in history.seen - done if c in tables.index]
-        self.gp.fit(tables.x[[i for i, _ in ok]], [v for _, v in ok], tables.x[pending])
+        self.gp.fit(tables.x[[i for i, _ in ok]], [v for _, v in ok], tables.x[pending], keep_hyperparameters=bool(self._batch_fits))
+        if self._batch_fits is not None:
+            self._batch_fits += 1
 
     def _score(self, rows: "list[int] | np.ndarray", history: History) -> np.ndarray:
         """Expected improvement times the chance to run, at valid configurations ``rows``."""
