@@ -3,21 +3,23 @@
     python benchmarks/proposal_time.py --recording benchmarks/recordings/kt_gemm_rtx3090.jsonl.gz --trials 2000
 
 Replays a recording through a study on SQLite (as a search keeps it, in a temporary
-directory), one trial after another, and times each proposal: the ask and the first
-suggestion, where the strategy reads the history and proposes (a batch of ``--batch``
-when none is waiting). Prints the median and 90th percentile per window of the history.
+directory), one trial after another, and times each proposal: the ask and the strategy's
+``sample_relative``, where it reads the history, proposes (a batch of ``--batch`` when none
+is waiting) and claims the configuration in the ledger. Prints the median and 90th percentile per window of the history.
 Proposal time is CPU time on a shared machine: say how loaded it was.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as the evoengineer command sets it (evoengineer/cli/__init__.py)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import optuna  # noqa: E402
@@ -42,8 +44,9 @@ def measure(recording: Path, strategy: str, trials: int, seed: int, batch: int, 
     for _ in range(min(trials, len(sampler.valid))):
         started = time.perf_counter()
         trial = study.ask()
-        config = suggest_config(trial, space)
+        trial.relative_params  # noqa: B018 - the strategy reads the history, proposes and claims
         times.append(time.perf_counter() - started)
+        config = suggest_config(trial, space)  # stores the parameters (the search does it in one transaction)
         result = replay.evaluate(config)
         if result.ok:
             study.tell(trial, result.objective_us)

@@ -114,3 +114,30 @@ def test_search_on_simulated_devices_keeps_the_budget_exact(tmp_path: Path, devi
     assert len(set(keys)) == 40
     assert len({d for d in stats.per_device}) == devices
     assert study.sampler.batch_size == devices
+
+
+def _snapshot(history) -> tuple:
+    return (frozenset(history.seen), tuple(history.complete), tuple(history.failed), history.n_trials)
+
+
+def test_history_read_from_sqlite_incrementally_matches_a_full_read(tmp_path: Path) -> None:
+    from optuna.study import StudyDirection
+
+    from evoengineer.search.strategies import HistoryReader
+
+    replay = ReplayEvaluator(SMALL)
+    space = replay.space()
+    sampler = make_sampler("evo", space, seed=4)
+    sampler.batch_size = 4
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", sampler=sampler)
+    incremental = HistoryReader(space.param_names)
+    for round_ in range(6):
+        _batch_round(study, space, replay, 4)
+        running = study.ask()  # pending: its claim is all the study holds of it
+        suggest_config(running, space)
+        if round_ == 2:
+            study.enqueue_trial(dict(replay.space().sample(1)[0]))
+        seen_now = incremental._read_rdb(study, study._storage._backend, None, False)
+        full = HistoryReader(space.param_names)._read_trials(study, None, study.direction == StudyDirection.MAXIMIZE)
+        assert _snapshot(seen_now) == _snapshot(full)
+        assert len(seen_now.seen) >= 4 * (round_ + 1) + 1
