@@ -21,6 +21,10 @@ objective, times its estimated chance to run (``gp.py``). When no candidate is l
 unseen valid configuration is a candidate. With probability ``immigrant_rate`` a proposal is
 a random configuration instead.
 
+In batches (``propose_batch``, k proposals for k free devices) the process is fitted once:
+each later proposal of the batch refits it with the same length scale and noise, the earlier
+ones pending at the successes' mean (a constant liar), so that the batch spreads out.
+
 ``model="kr"`` screens the children alone by the kernel regression's predicted mean
 (``surrogate.py``; with ``init=6``, the strategy before the Gaussian process);
 ``candidates=1, radius=0`` is the plain genetic algorithm.
@@ -266,6 +270,7 @@ class _Tables:
         self.x = encoder(valid)
         self.codes = np.array([[p.values.index(c[p.name]) for p in params] for c in valid], dtype=int).reshape(len(valid), len(params))
         self.ordinal = np.array([p.ordinal for p in params], dtype=bool)
+        self._near: dict[tuple[int, int], np.ndarray] = {}
 
     def unseen(self, history: History) -> np.ndarray:
         """Indices of the valid configurations the study does not hold."""
@@ -275,7 +280,16 @@ class _Tables:
         return np.flatnonzero(mask)
 
     def near(self, i: int, among: np.ndarray, radius: int) -> np.ndarray:
-        """Those of ``among`` that change at most ``radius`` parameters of ``i``, ordinal ones by one step."""
-        delta = np.abs(self.codes[among] - self.codes[i])
-        ok = ~((delta > 1) & self.ordinal).any(1) & ((delta > 0).sum(1) <= radius)
-        return among[ok]
+        """Those of ``among`` (sorted indices) that change at most ``radius`` parameters of ``i``,
+        ordinal ones by one step. A configuration's neighbourhood is computed once."""
+        found = self._near.get((i, radius))
+        if found is None:
+            delta = np.abs(self.codes - self.codes[i])
+            found = np.flatnonzero(~((delta > 1) & self.ordinal).any(1) & ((delta > 0).sum(1) <= radius))
+            if len(self._near) >= 256:
+                self._near.pop(next(iter(self._near)))
+            self._near[(i, radius)] = found
+        if not len(among) or not len(found):
+            return among[:0]
+        at = np.minimum(np.searchsorted(among, found), len(among) - 1)
+        return found[among[at] == found]
