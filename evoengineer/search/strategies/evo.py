@@ -35,6 +35,8 @@ the kernel-regression screen.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from optuna.study import Study
 from optuna.trial import FrozenTrial
@@ -105,6 +107,7 @@ class EvoSampler(SpaceSampler):
         self._encoder = Encoder(space)
         self._tables: _Tables | None = None
         self._batch_fits: int | None = None  # fits in the batch under way (None: no batch)
+        self._rows_cache: tuple[History, tuple[int, int, int], _Rows] | None = None
 
     # -- public helpers -------------------------------------------------------------------
     def parents(self, study: Study) -> list[Config]:
@@ -192,23 +195,36 @@ class EvoSampler(SpaceSampler):
                 return Proposal(self._rng.choice(near), "neighbour", (parent,))
         return Proposal(self.random_unseen(history), "random")
 
+    def _rows(self, history: History) -> "_Rows":
+        """``history`` as rows of the tables (computed once per history and size)."""
+        key = (len(history.seen), len(history.complete), len(history.failed))
+        cache = self._rows_cache
+        if cache is None or cache[0] is not history or cache[1] != key:
+            tables = self.tables
+            index = tables.index
+            ok = [(index[c], v) for c, v in history.complete if v > 0 and c in index]
+            done = {c for c, _ in history.complete} | set(history.failed)
+            rows = _Rows(
+                ok=np.array([i for i, _ in ok], dtype=int), values=[v for _, v in ok],
+                complete=np.array([index[c] for c, _ in history.complete if c in index], dtype=int),
+                failed=np.array([index[c] for c in history.failed if c in index], dtype=int),
+                pending=np.array([index[c] for c in history.seen - done if c in index], dtype=int),
+            )
+            self._rows_cache = (history, key, rows)
+        return self._rows_cache[2]
+
     def _fit(self, history: History) -> None:
         """The Gaussian process on the study's successes and pending configurations."""
-        tables = self.tables
-        ok = [(tables.index[c], v) for c, v in history.complete if v > 0 and c in tables.index]
-        done = {c for c, _ in history.complete} | set(history.failed)
-        pending = [tables.index[c] for c in history.seen - done if c in tables.index]
-        self.gp.fit(tables.x[[i for i, _ in ok]], [v for _, v in ok], tables.x[pending], keep_hyperparameters=bool(self._batch_fits))
+        tables, rows = self.tables, self._rows(history)
+        self.gp.fit(tables.x[rows.ok], rows.values, tables.x[rows.pending], keep_hyperparameters=bool(self._batch_fits))
         if self._batch_fits is not None:
             self._batch_fits += 1
 
     def _score(self, rows: "list[int] | np.ndarray", history: History) -> np.ndarray:
         """Expected improvement times the chance to run, at valid configurations ``rows``."""
-        tables = self.tables
+        tables, seen = self.tables, self._rows(history)
         x = tables.x[rows]
-        ok = tables.x[[tables.index[c] for c, _ in history.complete if c in tables.index]]
-        failed = tables.x[[tables.index[c] for c in history.failed if c in tables.index]]
-        return self.gp.expected_improvement(x) * self.gp.feasibility(x, ok, failed)
+        return self.gp.expected_improvement(x) * self.gp.feasibility(x, tables.x[seen.complete], tables.x[seen.failed])
 
     @property
     def tables(self) -> "_Tables":
@@ -259,6 +275,18 @@ class EvoSampler(SpaceSampler):
     def _step(self, param: Param, value: object) -> object:
         """An ordinal parameter moves to an adjacent value; a categorical one to another value."""
         return self._rng.choice(param.steps(value))
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A history as row indices of the tables: successes (with values), every completed one,
+    failures, pending configurations."""
+
+    ok: np.ndarray
+    values: list[float]
+    complete: np.ndarray
+    failed: np.ndarray
+    pending: np.ndarray
 
 
 class _Tables:
