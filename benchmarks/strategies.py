@@ -3,6 +3,15 @@
     python benchmarks/strategies.py                                  # every recording we have
     python benchmarks/strategies.py --recording benchmarks/recordings/h100_mma_seed.jsonl \\
         --seeds 25 --plot strategies.png --json strategies.json
+    python benchmarks/strategies.py --strategies evo --batch 1,4,8,16 --stop-within 0.02   # batch sizes
+
+Recordings: ours (``tests/data/replay_*.jsonl``, ``benchmarks/recordings/h100_*.jsonl``) and
+Kernel Tuner's community caches converted by ``evoengineer import-cache``
+(``benchmarks/recordings/kt_*.jsonl.gz``: CLBlast GEMM on an RTX 3090 and an RTX 2080 Ti, a 2D
+convolution and point-in-polygon on an RTX 3090, from the AutoTuningAssociation/benchmark_hub
+repository). ``--batch K`` replays our strategies proposing K configurations at once (K trials
+asked, then the K evaluated): a row per K. ``--stop-within F`` ends a run once within F of the
+optimum, which the counts to the thresholds at or above F do not change.
 
 Each recording holds every valid configuration of a space, timed on a GPU, so a strategy is
 replayed without one (no subprocesses, no GPU; runs spread over a process pool). A run
