@@ -3,6 +3,15 @@
     python benchmarks/strategies.py                                  # every recording we have
     python benchmarks/strategies.py --recording recordings/h100_mma_seed.jsonl \\
         --seeds 25 --plot strategies.png --json strategies.json
+    python benchmarks/strategies.py --strategies evo --batch 1,4,8,16 --stop-within 0.02   # batch sizes
+
+Recordings: ours (``tests/data/replay_*.jsonl``, ``recordings/h100_mma_seed.jsonl``, ``benchmarks/recordings/h100_*.jsonl``) and
+Kernel Tuner's community caches converted by ``evoengineer import-cache``
+(``benchmarks/recordings/kt_*.jsonl.gz``: CLBlast GEMM on an RTX 3090 and an RTX 2080 Ti, a 2D
+convolution and point-in-polygon on an RTX 3090, from the AutoTuningAssociation/benchmark_hub
+repository). ``--batch K`` replays our strategies proposing K configurations at once (K trials
+asked, then the K evaluated): a row per K. ``--stop-within F`` ends a run once within F of the
+optimum, which the counts to the thresholds at or above F do not change.
 
 Each recording holds every valid configuration of a space, timed on a GPU, so a strategy is
 replayed without one (no subprocesses, no GPU; runs spread over a process pool). A run
@@ -67,15 +76,16 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-import numpy as np
-import optuna
-from optuna.trial import TrialState
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one BLAS thread per run: the runs fill the cores already
+import numpy as np  # noqa: E402
+import optuna  # noqa: E402
+from optuna.trial import TrialState  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_tuner_replay as ktr  # noqa: E402
 
-from evoengineer.search import ReplayEvaluator, replay_trial  # noqa: E402
-from evoengineer.search.strategies import SAMPLERS, make_sampler  # noqa: E402
+from evoengineer.search import ReplayEvaluator  # noqa: E402
+from evoengineer.search.strategies import SAMPLERS, make_sampler, suggest_config  # noqa: E402
 from evoengineer.space import Config, SearchSettings, Space  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,14 +166,25 @@ def default_recordings() -> list[Path]:
 # -- runs: each returns the objectives (None: failed) of the distinct configurations, in order
 
 
-def run_ours(rec: Recording, name: str, seed: int, budget: int) -> list[float | None]:
-    study = optuna.create_study(sampler=make_sampler(name, rec.space, seed=seed))
+def run_ours(rec: Recording, name: str, seed: int, budget: int, batch: int = 1, stop: float = 0.0) -> list[float | None]:
+    """With ``batch`` k > 1: k trials are asked (the strategy proposes the k at once, each
+    later one seeing the earlier ones as pending), then the k are evaluated and told."""
+    sampler = make_sampler(name, rec.space, seed=seed)
+    sampler.batch_size = batch
+    study = optuna.create_study(sampler=sampler)
     trace: list[float | None] = []
-    for _ in range(budget):
-        _, result = replay_trial(study, rec.space, rec.replay)
-        trace.append(result.objective_us if result.ok else None)
-        if result.ok and result.objective_us <= rec.optimum:
-            break  # nothing left to find
+    while len(trace) < budget:
+        trials = [study.ask() for _ in range(min(batch, budget - len(trace)))]
+        configs = [suggest_config(trial, rec.space) for trial in trials]
+        for trial, config in zip(trials, configs):
+            result = rec.replay.evaluate(config)
+            trace.append(result.objective_us if result.ok else None)
+            if result.ok:
+                study.tell(trial, result.objective_us)
+            else:
+                study.tell(trial, state=TrialState.FAIL)
+        if any(v is not None and v <= rec.optimum * (1 + stop) for v in trace[-len(trials):]):
+            break  # nothing left to find (or, with ``stop``, close enough)
     return trace
 
 
@@ -179,7 +200,7 @@ def _optuna_sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
     raise ValueError(name)
 
 
-def run_optuna(rec: Recording, name: str, seed: int, budget: int) -> list[float | None]:
+def run_optuna(rec: Recording, name: str, seed: int, budget: int, stop: float = 0.0) -> list[float | None]:
     """One of Optuna's samplers over the raw product of the parameters: an invalid proposal is
     told as failed, one already evaluated gets its recorded result again; neither is charged."""
     valid = set(rec.valid)
@@ -207,7 +228,7 @@ def run_optuna(rec: Recording, name: str, seed: int, budget: int) -> list[float 
                 study.tell(trial, state=TrialState.FAIL)
             else:
                 study.tell(trial, value)
-            if value is not None and value <= rec.optimum:
+            if value is not None and value <= rec.optimum * (1 + stop):
                 break
     return trace
 
@@ -224,15 +245,22 @@ class Task:
     seed: int
     budget: int
     kt_cache: str | None = None
+    batch: int = 1
+    stop: float = 0.0
+
+    @property
+    def label(self) -> str:
+        """The strategy's row: ``evo``, or ``evo k=8`` for proposals in batches of 8."""
+        return self.strategy if self.batch == 1 else f"{self.strategy} k={self.batch}"
 
 
 def run_task(task: Task) -> tuple[Task, list[float | None], float]:
     rec = load_recording(task.recording, task.keep_seeds)
     started = time.perf_counter()
     if task.strategy in OURS:
-        trace = run_ours(rec, task.strategy, task.seed, task.budget)
+        trace = run_ours(rec, task.strategy, task.seed, task.budget, task.batch, task.stop)
     elif task.strategy.startswith("optuna-"):
-        trace = run_optuna(rec, task.strategy, task.seed, task.budget)
+        trace = run_optuna(rec, task.strategy, task.seed, task.budget, task.stop)
     elif task.strategy.startswith("kt-"):
         assert task.kt_cache is not None
         trace = run_kernel_tuner(rec, task.strategy, task.seed, task.budget, Path(task.kt_cache))
@@ -369,10 +397,13 @@ def benchmark(
     workers: int = 1,
     keep_seeds: bool = False,
     progress: Callable[[str], None] | None = None,
+    batches: Sequence[int] = (1,),
+    stop_within: float = 0.0,
 ) -> dict[str, Any]:
-    """Replay every strategy ``seeds`` times on every recording; the statistics as a JSON-able dict."""
+    """Replay every strategy ``seeds`` times on every recording; the statistics as a JSON-able dict.
+    ``batches``: batch sizes our strategies propose in (a row per size beyond 1: ``evo k=8``)."""
     names, notes = available_strategies(strategies)
-    results: dict[str, Any] = {"seeds": seeds, "keep_seeds": keep_seeds, "default": DEFAULT_STRATEGY, "notes": notes,
+    results: dict[str, Any] = {"seeds": seeds, "keep_seeds": keep_seeds, "stop_within": stop_within, "default": DEFAULT_STRATEGY, "notes": notes,
                                "kernel_tuner": ktr.version() if ktr.available() else None, "optuna": optuna.__version__,
                                "recordings": {}}
     with tempfile.TemporaryDirectory(prefix="kt-cache-") as tmp:
@@ -387,13 +418,19 @@ def benchmark(
             if any(s.startswith("kt-") for s in names):
                 cache = str(ktr.write_cache(rec.replay, rec.space, Path(tmp) / f"{len(recs)}-{rec.name}.json"))
             for name in names:
-                for seed in range(1 if name in DETERMINISTIC else seeds):
-                    tasks.append(Task(str(path), keep_seeds, name, seed, runs, cache if name.startswith("kt-") else None))
+                for batch in (batches if name in OURS else (1,)):
+                    for seed in range(1 if name in DETERMINISTIC else seeds):
+                        tasks.append(Task(str(path), keep_seeds, name, seed, runs, cache if name.startswith("kt-") else None,
+                                          batch, stop_within))
         traces: dict[tuple[str, str], list[list[float | None]]] = {}
         seconds: dict[tuple[str, str], float] = {}
+        labels: list[str] = []
         for task, trace, took in _map(tasks, workers, progress):
-            traces.setdefault((task.recording, task.strategy), []).append(trace)
-            seconds[(task.recording, task.strategy)] = seconds.get((task.recording, task.strategy), 0.0) + took
+            traces.setdefault((task.recording, task.label), []).append(trace)
+            seconds[(task.recording, task.label)] = seconds.get((task.recording, task.label), 0.0) + took
+        for task in tasks:
+            if task.label not in labels:
+                labels.append(task.label)
 
     for path, rec in recs.items():
         n = len(rec.valid)
@@ -408,7 +445,9 @@ def benchmark(
             "random_curve": random_curve.tolist(),
             "strategies": {},
         }
-        for name in names:
+        for name in labels:
+            if (path, name) not in traces:
+                continue
             stats = summarise(rec, traces[(path, name)], runs, random_curve)
             stats["cpu_s"] = round(seconds[(path, name)], 2)
             entry["strategies"][name] = stats
@@ -571,6 +610,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, help="evaluations per run (default: the recording's valid size)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: one per core)")
     parser.add_argument("--keep-seeds", action="store_true", help="let evo start from the space's seed configurations")
+    parser.add_argument("--stop-within", type=float, default=0.0, metavar="F",
+                        help="end a run of ours or Optuna's once within F of the optimum (e.g. 0.01; default 0: at the "
+                             "optimum); the counts to 1/2/5%% stay exact for F <= 0.01, the curves stay flat after")
+    parser.add_argument("--batch", default="1",
+                        help="comma-separated batch sizes our strategies propose in (default 1; e.g. 1,4,8,16: a row each)")
     parser.add_argument("--plot", type=Path, help="write the best-so-far curves to this PNG")
     parser.add_argument("--json", type=Path, help="write every statistic to this JSON file")
     parser.add_argument("--quiet", action="store_true")
@@ -586,8 +630,15 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--seeds and --budget must be at least 1")
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies else None
         try:
+            batches = [int(b) for b in args.batch.split(",") if b.strip()]
+        except ValueError:
+            raise UsageError(f"--batch: expected comma-separated integers, got {args.batch!r}") from None
+        if not batches or min(batches) < 1:
+            raise UsageError(f"--batch: batch sizes must be at least 1, got {args.batch!r}")
+        try:
             results = benchmark(recordings, strategies, args.seeds, args.budget, args.workers, args.keep_seeds,
-                                progress=None if args.quiet else lambda m: print(m, file=sys.stderr, flush=True))
+                                progress=None if args.quiet else lambda m: print(m, file=sys.stderr, flush=True),
+                                batches=batches, stop_within=args.stop_within)
         except (ValueError, KeyError) as exc:
             raise UsageError(str(exc)) from None
     except UsageError as exc:

@@ -8,7 +8,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from .. import __version__
-from . import ab_commands, gpu_commands, results_commands, search_commands, space_commands
+from . import ab_commands, gpu_commands, import_commands, results_commands, search_commands, space_commands
 from .common import EXIT_USAGE, UsageError
 
 _FILE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"evoengineer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    for commands in (space_commands, gpu_commands, ab_commands, search_commands, results_commands):
+    for commands in (space_commands, gpu_commands, ab_commands, search_commands, results_commands,
+                     import_commands):
         commands.register(sub)
     return parser
 

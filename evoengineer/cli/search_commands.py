@@ -168,6 +168,10 @@ def cmd_search(args: argparse.Namespace) -> int:
                          "or --replay demo to replay a recording without a GPU")
     else:
         space = load_space(args.space)
+    if space.recorded:  # known only by its recording: search it by replay
+        if replay is None:
+            raise UsageError(f"--space: {args.space} is a recorded problem (problem.kind: recorded); search it with --replay RECORDING")
+        space = replay.narrow(space)
     devices = _parse_devices(args)
     console = Console(highlight=False, stderr=args.json)  # with --json, stdout holds only the JSON
     time_s = args.time if args.time is not None else space.search.time_s

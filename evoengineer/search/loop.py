@@ -718,6 +718,7 @@ def run_search(
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(min(switch_interval, SWITCH_INTERVAL_S))
     lanes = _Lanes(evaluators)
+    proposer = _Proposer(study.sampler, study, len(evaluators))
     failure: BaseException | None = None
     try:
         while True:
@@ -732,6 +733,8 @@ def run_search(
                     if candidate is None:
                         break  # no slot, nothing new, or another search took the queued trial: next round
                     lanes.ready.put(candidate)
+                if search.may_ask():
+                    proposer.prefetch()
             if not search.in_flight:
                 if out_of_time or search.exhausted or not search.others_running():
                     break
@@ -749,6 +752,7 @@ def run_search(
                 on_result(result, stats)
     finally:
         stats.finished = time.perf_counter()
+        proposer.close()
         # after a failure or an interrupt, trials under way stay RUNNING: resume (or another
         # search, once their heartbeats stop) re-queues them
         lanes.close(wait=failure is None and not search.in_flight)
@@ -760,6 +764,26 @@ def run_search(
     if failure is not None:
         raise failure
     return stats
+
+
+class _Proposer:
+    """The strategy's proposals in batches, off the loop's thread: a sampler that computes
+    them in batches (``SpaceSampler``) proposes one per device at once, and computes the
+    next batch on its own thread while the devices work, so that an ask only pops one."""
+
+    def __init__(self, sampler: Any, study: optuna.Study, devices: int) -> None:
+        self.sampler, self.study, self.devices = sampler, study, max(1, devices)
+        self.enabled = callable(getattr(sampler, "prefetch", None))
+        if self.enabled:
+            sampler.batch_size = self.devices
+
+    def prefetch(self) -> None:
+        if self.enabled:
+            self.sampler.prefetch(self.study, self.devices)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.sampler.wait_prefetch(timeout=30)
 
 
 COMPILE_NICENESS = 10

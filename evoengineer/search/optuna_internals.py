@@ -62,3 +62,11 @@ def heartbeat_model() -> Any:
     from optuna.storages._rdb import models
 
     return models.TrialHeartbeatModel
+
+
+def trial_models() -> Any:
+    """The RDB schema's models (``TrialModel``, ``TrialValueModel``, ``TrialParamModel``,
+    ``TrialSystemAttributeModel``), which the history reader queries for trials under way."""
+    from optuna.storages._rdb import models
+
+    return models

@@ -86,13 +86,18 @@ class ReplayEvaluator:
         return None
 
     def space(self) -> Space:
-        """The recording's space: the inline one from the header, or the built-in it names."""
+        """The recording's space: the inline one from the header, or the built-in it names. A
+        recorded space (``problem.kind: recorded``) is narrowed to the recording's configurations."""
         inline = self.header.get("space_inline")
         if isinstance(inline, Mapping):
-            return parse_space(dict(inline), f"{self.path.name}#header")
+            return self.narrow(parse_space(dict(inline), f"{self.path.name}#header"))
         if "space" in self.header:
-            return load_space(str(self.header["space"]))
+            return self.narrow(load_space(str(self.header["space"])))
         raise ValueError(f"{self.path}: no header naming a space")
+
+    def narrow(self, space: Space) -> Space:
+        """A recorded space's valid configurations are those of this recording; others unchanged."""
+        return space.with_domain(self.records) if space.recorded else space
 
     def evaluate(self, config: Mapping[str, Any]) -> ReplayResult:
         return self.records.get(Config(config), ReplayResult("invalid", NOT_RECORDED, None))

@@ -29,6 +29,7 @@ class Config(Mapping[str, ParamValue]):
         object.__setattr__(self, "items_", tuple(sorted(merged.items())))
         object.__setattr__(self, "unused_", tuple(sorted((k, v) for k, v in (unused or {}).items() if k not in merged)))
         object.__setattr__(self, "_values", dict(self.items_))  # a lookup, not a field: equality and hash use items_
+        object.__setattr__(self, "_hash", hash(self.items_))  # computed once: configurations key many sets and dicts
 
     def __getitem__(self, name: str) -> ParamValue:
         return self._values[name]
@@ -40,7 +41,11 @@ class Config(Mapping[str, ParamValue]):
         return len(self.items_)
 
     def __hash__(self) -> int:
-        return hash(self.items_)
+        return self._hash
+
+    def __reduce__(self) -> tuple:
+        """Rebuilt from its values in another process (whose string hashes differ)."""
+        return (Config, (self._values,))
 
     def __repr__(self) -> str:
         return f"Config({self.label()})"

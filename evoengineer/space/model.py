@@ -8,13 +8,14 @@ one line naming the file and the key path.
 from __future__ import annotations
 
 import difflib
+import keyword
 import math
 import random
 import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import yaml
 
@@ -153,11 +154,14 @@ class Case:
 class Param:
     name: str
     values: tuple[ParamValue, ...]
+    categorical: bool = False
+    """Declared categorical (``{values: [...], categorical: true}``): integers that name choices."""
 
     @cached_property
     def ordinal(self) -> bool:
-        """Numeric parameters are ordered: mutation moves to a neighbouring value."""
-        return all(isinstance(v, int) and not isinstance(v, bool) for v in self.values)
+        """Numeric parameters are ordered (mutation moves to a neighbouring value), unless
+        declared categorical."""
+        return not self.categorical and all(isinstance(v, int) and not isinstance(v, bool) for v in self.values)
 
     def steps(self, value: ParamValue) -> tuple[ParamValue, ...]:
         """Values one step from ``value``: the adjacent ones of an ordinal parameter, every
@@ -269,6 +273,19 @@ class Space:
     is then PATH followed by the union of the paths' parameters (the values a search encodes)."""
     extends: str | None = None
     """The space this one's file extends (``extends:``), as written."""
+    kind: str = "attention"
+    """``attention`` (a kernel of ours), or ``recorded``: a problem known only by a recording of
+    its configurations (``evoengineer import-cache``), without shapes, template or GPU target."""
+    domain: frozenset[Config] | None = field(default=None, repr=False, compare=False)
+    """A recorded space's configurations (those of its recording, ``with_domain``): only they are valid."""
+
+    @property
+    def recorded(self) -> bool:
+        return self.kind == "recorded"
+
+    def with_domain(self, configs: "Iterable[Mapping[str, ParamValue]]") -> "Space":
+        """This space whose valid configurations are only ``configs`` (a recording's)."""
+        return replace(self, domain=frozenset(Config(c) for c in configs))
 
     # -- derived ---------------------------------------------------------------
     def tolerance(self, dtype: str) -> tuple[float, float]:
@@ -327,7 +344,9 @@ class Space:
         return tuple(seen)
 
     def environment(self) -> dict[str, Any]:
-        """Names a constraint may use besides the parameters."""
+        """Names a constraint may use besides the parameters (none in a recorded space)."""
+        if self.recorded:
+            return {}
         dims = [c.head_dim for c in self.cases]
         return {
             "SMEM_LIMIT": self.target.smem_per_block,
@@ -437,6 +456,8 @@ class Space:
             return False
         if any(config[p.name] not in p.values for p in self.params):
             return False
+        if self.domain is not None and Config(config) not in self.domain:
+            return False
         return not self.violations(config)
 
     def valid_configs(self) -> Iterator[Config]:
@@ -444,6 +465,9 @@ class Space:
         ``itertools.product`` over the parameters; per path, path after path, on a space written
         per path). A constraint (or a path's rule) is checked as soon as every parameter it names
         has a value, so whole subtrees of the product are skipped at once."""
+        if self.domain is not None:
+            yield from self._domain_configs()
+            return
         if not self.paths:
             yield from _walk(self.params, [c.expression for c in self.constraints], self.environment(), {})
             return
@@ -451,6 +475,20 @@ class Space:
             scope = {**own.rules.defaults, "PATH": own.name}
             checks = [*own.rules.rules, *(c.expression for c in own.constraints)]
             yield from _walk(own.params, checks, {**self.environment(), **scope}, self.unused(own.name), fixed=("PATH",))
+
+    def _domain_configs(self) -> Iterator[Config]:
+        """The domain's configurations that satisfy the constraints, in the product's order."""
+        assert self.domain is not None
+        index = [{v: i for i, v in enumerate(p.values)} for p in self.params]
+        names = self.param_names
+
+        def order(config: Config) -> tuple[int, ...]:
+            return tuple(index[i].get(config.get(n), len(index[i])) for i, n in enumerate(names))
+
+        for config in sorted(self.domain, key=order):
+            if set(config) == set(names) and all(config[n] in index[i] for i, n in enumerate(names)) \
+                    and not self.violations(config):
+                yield config
 
     def valid_size(self) -> int:
         return sum(1 for _ in self.valid_configs())
@@ -471,7 +509,7 @@ class Space:
             for p in self.params:
                 for value in p.steps(config[p.name]):
                     candidate = config.replace(**{p.name: value})
-                    if not self.violations(candidate):
+                    if not self.violations(candidate) and (self.domain is None or candidate in self.domain):
                         out.append(candidate)
             return out
         for other in self.paths:
@@ -483,7 +521,7 @@ class Space:
         for p in own.params:
             for value in p.steps(config[p.name]):
                 candidate = config.replace(**{p.name: value})
-                if not self.violations(candidate):
+                if not self.violations(candidate) and (self.domain is None or candidate in self.domain):
                     out.append(candidate)
         return out
 
@@ -533,6 +571,9 @@ _TOP_KEYS = ("extends", "name", "description", "target", "problem", "template", 
 _PATH_KEYS = ("params", "constraints")
 _MAX_EXTENDS = 8
 _REQUIRED_TOP = ("target", "problem", "template")
+_REQUIRED_RECORDED = ("problem", "params")
+_RECORDED_TOP = ("name", "description", "target", "problem", "params", "constraints", "search")
+KINDS = ("attention", "recorded")
 _TARGET_KEYS = ("name", "arch", "sms", "smem_per_block")
 _PROBLEM_KEYS = ("kind", "dtype", "scale", "shapes")
 _SHAPE_KEYS = ("B", "H", "H_KV", "S", "S_KV", "D", "causal", "softcap", "window")
@@ -714,6 +755,8 @@ def _display_path(path: Path, cwd: Path | None) -> str:
 
 def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
     v = _Validator(display)
+    if isinstance(data, dict) and isinstance(data.get("problem"), dict) and data["problem"].get("kind") == "recorded":
+        return _parse_recorded(v, data, display, path)
     extends = data.get("extends") if isinstance(data, dict) else None
     data = _extended(data, display, path)
     root = v.mapping(data, "", _TOP_KEYS, required=_REQUIRED_TOP)
@@ -736,8 +779,8 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
 
     pr = v.mapping(root["problem"], "problem", _PROBLEM_KEYS, required=("shapes",))
     kind = v.string(pr.get("kind", "attention"), "problem.kind")
-    if kind != "attention":
-        v.fail("problem.kind", f"only 'attention' is supported, got {kind!r}")
+    if kind not in KINDS:
+        v.fail("problem.kind", f"expected one of {', '.join(KINDS)}, got {kind!r}{_hint(kind, KINDS)}")
     dtypes = _parse_dtypes(v, pr.get("dtype", "fp16"))
     if "bf16" in dtypes and target.arch_number < 80:
         v.fail("problem.dtype", f"bf16 needs target.arch sm_80 or newer, got {arch}")
@@ -793,6 +836,28 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
         paths=path_spaces,
         extends=extends,
     )
+    return Space(**{**space.__dict__, "search": _parse_search(v, root, space)}).reseeded()
+
+
+def _parse_recorded(v: "_Validator", data: dict, display: str, path: Path | None) -> Space:
+    """A ``problem.kind: recorded`` space: parameters (any identifiers; integers may be declared
+    categorical), constraints among them, search settings, and optionally ``target.name``."""
+    root = v.mapping(data, "", _RECORDED_TOP, required=_REQUIRED_RECORDED)
+    v.mapping(root["problem"], "problem", ("kind",))
+    t = v.mapping(root.get("target", {}), "target", ("name",))
+    name = path_component(v.string(root.get("name", Path(display).stem), "name"), Path(display).stem)
+    params = _parse_params(v, root["params"], upper_case=False)
+    constraints = _parse_constraints(v, root.get("constraints", []), {p.name for p in params})
+    space = Space(
+        name=name, path=path or Path(display), description=v.string(root.get("description", ""), "description", allow_empty=True),
+        target=Target(name=v.string(t.get("name", "recorded"), "target.name"), arch="", sms=0, smem_per_block=0),
+        cases=(), dtypes=(), scale=None, template="", params=params, constraints=constraints,
+        atol=0.0, rtol=0.0, timing=Timing(), search=SearchSettings(), raw=root, kind="recorded",
+    )
+    return replace(space, search=_parse_search(v, root, space)).reseeded()
+
+
+def _parse_search(v: "_Validator", root: dict, space: Space) -> SearchSettings:
     se = v.mapping(root.get("search", {}), "search", _SEARCH_KEYS)
     strategy = v.string(se.get("strategy", "evo"), "search.strategy")
     if strategy not in STRATEGIES:
@@ -804,7 +869,7 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
         except ValueError as exc:
             v.fail("search.time", str(exc))
     seeds = tuple(_parse_seed(v, space, s, f"search.seeds[{i}]") for i, s in enumerate(v.sequence(se.get("seeds", []), "search.seeds")))
-    settings = SearchSettings(
+    return SearchSettings(
         strategy=strategy,
         budget=v.integer(se.get("budget", 100), "search.budget", minimum=1),
         time_s=time_s,
@@ -812,7 +877,6 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
         population=v.integer(se.get("population", 16), "search.population", minimum=2),
         listed_seeds=seeds,
     )
-    return Space(**{**space.__dict__, "search": settings}).reseeded()
 
 
 def _parse_dtypes(v: "_Validator", raw: Any) -> tuple[str, ...]:
@@ -889,15 +953,27 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",)) 
     return tuple(dict.fromkeys(cases))
 
 
-def _parse_params(v: "_Validator", raw: Any, where: str = "params", allow_empty: bool = False) -> tuple[Param, ...]:
+def _parse_params(v: "_Validator", raw: Any, where: str = "params", allow_empty: bool = False,
+                  upper_case: bool = True) -> tuple[Param, ...]:
+    """``NAME: [values]``, or ``NAME: {values: [...], categorical: true}`` for integers that name
+    choices (not ordered). Names are UPPER_CASE (template variables) unless ``upper_case`` is off
+    (a recorded space): then any identifier but the constraint functions' names."""
     mapping = v.mapping(raw, where, None)
     if not mapping and not allow_empty:
         v.fail(where, "expected a mapping of parameter name -> non-empty list of values")
     params = []
     for name, values in mapping.items():
         key = f"{where}.{name}"
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name):
+        if upper_case and (not isinstance(name, str) or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name)):
             v.fail(key, "parameter names are UPPER_CASE identifiers (they become template variables)")
+        if not upper_case and (not isinstance(name, str) or not name.isidentifier() or name in ("min", "max", "abs")
+                               or keyword.iskeyword(name)):
+            v.fail(key, "parameter names are identifiers (letters, digits, underscores), not min, max or abs")
+        categorical = False
+        if isinstance(values, dict):
+            entry = v.mapping(values, key, ("values", "categorical"), required=("values",))
+            values = entry["values"]
+            categorical = v.boolean(entry.get("categorical", False), f"{key}.categorical")
         if not isinstance(values, list) or not values:
             v.fail(key, f"expected a non-empty list of integers or strings, got {values!r}")
         kinds = {type(x) for x in values}
@@ -905,9 +981,9 @@ def _parse_params(v: "_Validator", raw: Any, where: str = "params", allow_empty:
             v.fail(key, f"expected a non-empty list of integers or strings (one type), got {values!r}")
         if len(set(values)) != len(values):
             v.fail(key, f"values repeat: {values!r}")
-        if kinds <= {int}:
+        if kinds <= {int} and not categorical:
             values = sorted(values)
-        params.append(Param(name, tuple(values)))
+        params.append(Param(name, tuple(values), categorical))
     return tuple(params)
 
 

@@ -21,6 +21,10 @@ objective, times its estimated chance to run (``gp.py``). When no candidate is l
 unseen valid configuration is a candidate. With probability ``immigrant_rate`` a proposal is
 a random configuration instead.
 
+In batches (``propose_batch``, k proposals for k free devices) the process is fitted once:
+each later proposal of the batch refits it with the same length scale and noise, the earlier
+ones pending at the successes' mean (a constant liar), so that the batch spreads out.
+
 ``model="kr"`` screens the children alone by the kernel regression's predicted mean
 (``surrogate.py``; with ``init=6``, the strategy before the Gaussian process);
 ``candidates=1, radius=0`` is the plain genetic algorithm.
@@ -30,6 +34,8 @@ Measured on exhaustive recordings (``benchmarks/README.md``): within 2% of the o
 the kernel-regression screen.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from optuna.study import Study
@@ -100,6 +106,8 @@ class EvoSampler(SpaceSampler):
         self.gp = GaussianProcess()
         self._encoder = Encoder(space)
         self._tables: _Tables | None = None
+        self._batch_fits: int | None = None  # fits in the batch under way (None: no batch)
+        self._rows_cache: tuple[History, tuple[int, int, int], _Rows] | None = None
 
     # -- public helpers -------------------------------------------------------------------
     def parents(self, study: Study) -> list[Config]:
@@ -155,6 +163,15 @@ class EvoSampler(SpaceSampler):
         score = self._score([tables.index[p.config] for p in proposals], history)
         return proposals[int(np.argmax(score))]
 
+    def propose_batch(self, study: Study, trial: FrozenTrial | None, history: History, k: int) -> list[Proposal]:
+        """``k`` proposals from one model fit: the later ones refit the process with the same
+        length scale and noise, the earlier ones pending at the successes' mean (constant liar)."""
+        self._batch_fits = 0
+        try:
+            return super().propose_batch(study, trial, history, k)
+        finally:
+            self._batch_fits = None
+
     def best_unseen(self, history: History) -> Proposal:
         """The valid configuration not in the study of highest expected improvement."""
         free = self.tables.unseen(history)
@@ -178,21 +195,36 @@ class EvoSampler(SpaceSampler):
                 return Proposal(self._rng.choice(near), "neighbour", (parent,))
         return Proposal(self.random_unseen(history), "random")
 
+    def _rows(self, history: History) -> "_Rows":
+        """``history`` as rows of the tables (computed once per history and size)."""
+        key = (len(history.seen), len(history.complete), len(history.failed))
+        cache = self._rows_cache
+        if cache is None or cache[0] is not history or cache[1] != key:
+            tables = self.tables
+            index = tables.index
+            ok = [(index[c], v) for c, v in history.complete if v > 0 and c in index]
+            done = {c for c, _ in history.complete} | set(history.failed)
+            rows = _Rows(
+                ok=np.array([i for i, _ in ok], dtype=int), values=[v for _, v in ok],
+                complete=np.array([index[c] for c, _ in history.complete if c in index], dtype=int),
+                failed=np.array([index[c] for c in history.failed if c in index], dtype=int),
+                pending=np.array([index[c] for c in history.seen - done if c in index], dtype=int),
+            )
+            self._rows_cache = (history, key, rows)
+        return self._rows_cache[2]
+
     def _fit(self, history: History) -> None:
         """The Gaussian process on the study's successes and pending configurations."""
-        tables = self.tables
-        ok = [(tables.index[c], v) for c, v in history.complete if v > 0 and c in tables.index]
-        done = {c for c, _ in history.complete} | set(history.failed)
-        pending = [tables.index[c] for c in history.seen - done if c in tables.index]
-        self.gp.fit(tables.x[[i for i, _ in ok]], [v for _, v in ok], tables.x[pending])
+        tables, rows = self.tables, self._rows(history)
+        self.gp.fit(tables.x[rows.ok], rows.values, tables.x[rows.pending], keep_hyperparameters=bool(self._batch_fits))
+        if self._batch_fits is not None:
+            self._batch_fits += 1
 
     def _score(self, rows: "list[int] | np.ndarray", history: History) -> np.ndarray:
         """Expected improvement times the chance to run, at valid configurations ``rows``."""
-        tables = self.tables
+        tables, seen = self.tables, self._rows(history)
         x = tables.x[rows]
-        ok = tables.x[[tables.index[c] for c, _ in history.complete if c in tables.index]]
-        failed = tables.x[[tables.index[c] for c in history.failed if c in tables.index]]
-        return self.gp.expected_improvement(x) * self.gp.feasibility(x, ok, failed)
+        return self.gp.expected_improvement(x) * self.gp.feasibility(x, tables.x[seen.complete], tables.x[seen.failed])
 
     @property
     def tables(self) -> "_Tables":
@@ -247,6 +279,18 @@ class EvoSampler(SpaceSampler):
         return self._rng.choice(param.steps(value))
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """A history as row indices of the tables: successes (with values), every completed one,
+    failures, pending configurations."""
+
+    ok: np.ndarray
+    values: list[float]
+    complete: np.ndarray
+    failed: np.ndarray
+    pending: np.ndarray
+
+
 class _Tables:
     """The valid configurations as arrays: encoded rows, value indices, a lookup."""
 
@@ -257,6 +301,7 @@ class _Tables:
         rows = [c.canonical() for c in valid]
         self.codes = np.array([[p.values.index(c[p.name]) for p in params] for c in rows], dtype=int).reshape(len(valid), len(params))
         self.ordinal = np.array([p.ordinal for p in params], dtype=bool)
+        self._near: dict[tuple[int, int], np.ndarray] = {}
 
     def unseen(self, history: History) -> np.ndarray:
         """Indices of the valid configurations the study does not hold."""
@@ -266,7 +311,16 @@ class _Tables:
         return np.flatnonzero(mask)
 
     def near(self, i: int, among: np.ndarray, radius: int) -> np.ndarray:
-        """Those of ``among`` that change at most ``radius`` parameters of ``i``, ordinal ones by one step."""
-        delta = np.abs(self.codes[among] - self.codes[i])
-        ok = ~((delta > 1) & self.ordinal).any(1) & ((delta > 0).sum(1) <= radius)
-        return among[ok]
+        """Those of ``among`` (sorted indices) that change at most ``radius`` parameters of ``i``,
+        ordinal ones by one step. A configuration's neighbourhood is computed once."""
+        found = self._near.get((i, radius))
+        if found is None:
+            delta = np.abs(self.codes - self.codes[i])
+            found = np.flatnonzero(~((delta > 1) & self.ordinal).any(1) & ((delta > 0).sum(1) <= radius))
+            if len(self._near) >= 256:
+                self._near.pop(next(iter(self._near)))
+            self._near[(i, radius)] = found
+        if not len(among) or not len(found):
+            return among[:0]
+        at = np.minimum(np.searchsorted(among, found), len(among) - 1)
+        return found[among[at] == found]

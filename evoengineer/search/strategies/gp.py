@@ -97,8 +97,11 @@ class GaussianProcess:
         self._inv_chol: np.ndarray | None = None
         self._mean, self._scale, self._var = 0.0, 1.0, 1.0
 
-    def fit(self, ok: np.ndarray, objectives: Sequence[float], pending: np.ndarray | None = None) -> "GaussianProcess":
-        """``ok``: rows with their objectives (> 0); ``pending``: rows still being evaluated."""
+    def fit(self, ok: np.ndarray, objectives: Sequence[float], pending: np.ndarray | None = None,
+            keep_hyperparameters: bool = False) -> "GaussianProcess":
+        """``ok``: rows with their objectives (> 0); ``pending``: rows still being evaluated.
+        ``keep_hyperparameters``: the length scale and noise of the last fit, not searched again
+        (a batch's later proposals: the same data plus fantasised pending rows)."""
         logs = np.log(np.asarray(objectives, dtype=float))
         rows, ys = [ok], [logs]
         self.best = float(logs.min()) if len(logs) else math.inf
@@ -122,9 +125,10 @@ class GaussianProcess:
         d = distances(x, x)
         n = len(z)
         best = None
-        for ls in self.length_scales:
+        scales, noises = ((self.length_scale,), (self.noise,)) if keep_hyperparameters else (self.length_scales, self.noises)
+        for ls in scales:
             r = matern52(d / ls)
-            for noise in self.noises:
+            for noise in noises:
                 try:
                     chol = np.linalg.cholesky(r + (noise + 1e-8) * np.eye(n))
                 except np.linalg.LinAlgError:

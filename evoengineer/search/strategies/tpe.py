@@ -44,7 +44,7 @@ class TPESearchSampler(SpaceSampler):
             )
 
     def propose(self, study: Study, trial: FrozenTrial, history: History) -> Proposal:
-        if len(history.complete) >= self.n_startup_trials:
+        if trial is not None and len(history.complete) >= self.n_startup_trials:  # None: a background batch
             for _ in range(self.max_retries + 1):
                 params = self._tpe.sample_relative(study, trial, dict(self._distributions))
                 if not params:
