@@ -59,3 +59,19 @@ def test_ledger_compare_and_set_on_sqlite(sqlite_study: optuna.Study) -> None:
 def test_an_in_memory_study_has_no_rdb_backend() -> None:
     study = optuna.create_study()
     assert internals.rdb_backend(study) is None and Ledger(study).atomic
+
+
+def test_the_history_reader_queries_the_trial_tables_through_the_adapter(sqlite_study: optuna.Study) -> None:
+    trial = sqlite_study.ask()
+    sqlite_study.tell(trial, 1.5)
+    models = internals.trial_models()
+    session = internals.session(internals.rdb_backend(sqlite_study))
+    try:
+        rows = session.query(models.TrialModel.trial_id, models.TrialModel.state).filter(
+            models.TrialModel.study_id == internals.study_id(sqlite_study)).all()
+        values = session.query(models.TrialValueModel.value).filter(models.TrialValueModel.trial_id == trial._trial_id).all()
+        for table in (models.TrialParamModel, models.TrialSystemAttributeModel):
+            session.query(table.trial_id).filter(table.trial_id == trial._trial_id).all()
+    finally:
+        session.close()
+    assert [r.state.is_finished() for r in rows] == [True] and [v.value for v in values] == [1.5]
