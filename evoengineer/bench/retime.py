@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..gpu import SDPA_BACKENDS, Evaluator
+from ..gpu import Evaluator
 from ..kernels import StaticReport
 from ..space import Case
 from .protocol import Summary, round_order
@@ -49,14 +49,16 @@ def interleaved_times(evaluator: Evaluator, cases: Sequence[Case],
 
 
 def retime(evaluator: Evaluator, reports: Sequence[StaticReport], rounds: int = 3, repetitions: int | None = None,
-           backends: Sequence[str] = SDPA_BACKENDS) -> dict[str, Any]:
+           backends: Sequence[str] | None = None) -> dict[str, Any]:
     """Re-time finalists interleaved with each other and with SDPA's backends, ``rounds``
     rounds (``interleaved_times``), with more repetitions and every one of them taken (no early
     stop); per case the median of the rounds' medians.
 
     Returns ``{"candidates": {key: {label: summary}}, "failures": {key: reason},
-    "sdpa": {label: {backend: summary}}}``, a summary being ``Summary.to_json()``.
+    "sdpa": {label: {backend: summary}}}``, a summary being ``Summary.to_json()``. ``backends``:
+    the evaluator's (``Evaluator.default_backends``) when None.
     """
+    backends = evaluator.default_backends() if backends is None else backends
     timing = {**evaluator.timing, "repetitions": repetitions or evaluator.timing["repetitions"] * 2, "precision": 0.0}
     keys = {report.config.key(): (evaluator, report) for report in reports}
     cases = list(evaluator.space.cases)

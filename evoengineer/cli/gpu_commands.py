@@ -15,7 +15,7 @@ from .common import EXIT_FAILED, EXIT_OK, WIDE_HELP, load_space, parse_config, r
 def cmd_baseline(args: argparse.Namespace) -> int:
     space = load_space(args.space)
     require_gpu()
-    backends = args.backends.split(",") if args.backends else list(SDPA_BACKENDS)
+    backends = args.backends.split(",") if args.backends else None
     with Evaluator(space, device=args.device) as ev:
         info = ev.info()
         result = ev.baseline(backends)

@@ -66,17 +66,25 @@ def _check_runs(paths: list[Path]) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from ..results import ExportError, export_entry, export_runs, load_leaderboard
-    from ..results.export_backward import backward_choice
+    from ..results.export_backward import backward_choice, backward_runs, measured_backward
 
     runs = [run_path(r) for r in args.run]
     _check_runs(runs)
     try:
         if args.no_backward and args.backward:
             raise UsageError("--backward and --no-backward: give one of them")
-        backward = backward_choice(args.backward or [], enabled=not args.no_backward)
+        runs, trained = backward_runs(runs)
+        if trained and args.no_backward:
+            raise UsageError(f"--no-backward: {trained[0]} is a backward run; drop one of them")
+        if not runs:
+            raise UsageError(f"{trained[0]} is a backward run: export it beside a forward run "
+                             f"(evoengineer export FORWARD_RUN {trained[0]} --out DIR)")
+        measured, exact = measured_backward(trained) if trained else ([], {})
+        backward = backward_choice(args.backward or [], enabled=not args.no_backward, measured=measured, exact=exact)
         if args.rank is not None:
             if len(runs) > 1:
-                raise UsageError("--rank N exports one configuration of one run; give one run, or drop --rank")
+                raise UsageError("--rank N exports one configuration of one forward run (beside backward runs); "
+                                 "give one, or drop --rank")
             board = load_leaderboard(runs[0])
             entry = next((e for e in board["entries"] if e["rank"] == args.rank), None)
             if entry is None:
@@ -146,7 +154,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("export", help="write a drop-in attention module: sources, launch metadata, dispatch table")
-    p.add_argument("run", nargs="+", help="run directories (runs/<run>): per case the fastest configuration of them all")
+    p.add_argument("run", nargs="+", help="run directories (runs/<run>): per case the fastest configuration of them all; "
+                                          "a backward run (--space h100-backward) gives the backward's per case")
     p.add_argument("--rank", type=whole(1), help="export only this leaderboard rank of one run (a single configuration)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--module", default="evo_attention",

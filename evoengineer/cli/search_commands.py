@@ -258,7 +258,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                 run.write_json("baseline.json", baseline)
         elif baseline:
             run.write_json("baseline.json", baseline)
-        meta.update(gpu=info, arch=arch, devices=devices, case_flops={c.label(): c.flops() for c in space.cases})
+        meta.update(gpu=info, arch=arch, devices=devices, case_flops={c.label(): space.flops(c) for c in space.cases})
         run.write_meta(meta)
         run.write_json("env.json", info)
     except BaseException:
@@ -392,7 +392,7 @@ def _finalize(run: RunDir, space: Space, evaluator: Any, finalists: list[dict], 
             reports = [evaluator.build(space.config(r["config"])) for r in finalists]
             retimed = retime(evaluator, reports, rounds=retime_rounds)
         run.write_json("retimed.json", retimed)
-    flops = {c.label(): c.flops() for c in space.cases}
+    flops = {c.label(): space.flops(c) for c in space.cases}
     board = build_leaderboard(finalists, retimed, baseline, flops, info.get("gpu", "?"))
     board.update(space=space.name, run=str(run.path))
     run.write_json(LEADERBOARD, board)

@@ -8,7 +8,6 @@ record with a status from ``STATUSES``, never an exception.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -16,9 +15,13 @@ from typing import Any, Callable, Sequence
 
 from ..kernels import Rendered, StaticReport, build_config
 from ..space import Case, Config, Space, Variant
+from .harness import CaseResult, _KernelFault, _sync, _time_ops, case_seed, check_output
 
 STATUSES = ("ok", "invalid", "compile_failed", "launch_failed", "incorrect", "crashed", "timeout")
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
+BACKWARD_SDPA_BACKENDS = ("flash", "cudnn", "efficient")
+"""SDPA's backends whose backward a backward space is compared with (math's fp32-sized score
+matrices are left out: tens of GB at the sizes training runs)."""
 REFERENCE_CALLS = ("default", "fa4")
 """Timed beside the backends where asked: SDPA with torch's own backend choice (the call a user
 makes), and flash-attn-4 (a peer library), when it is installed."""
@@ -36,23 +39,6 @@ queries over a longer cache."""
 EDGE_GQA_KV = ((2, 8, 2, 1, 77),)
 """(batch, heads, K/V heads, seq, K/V length): grouped-query decode, gated where a variant has both."""
 HANDLER = "evoengineer.gpu.evaluate:handle"
-
-
-@dataclass
-class CaseResult:
-    label: str
-    status: str
-    reason: str = ""
-    max_abs_err: float | None = None
-    rel_l2_err: float | None = None
-    trials: int = 0
-    seed: int | None = None
-    time: dict | None = None
-    tflops: float | None = None
-
-    @property
-    def median_us(self) -> float | None:
-        return self.time["median_us"] if self.time else None
 
 
 @dataclass
@@ -100,9 +86,18 @@ def gate_cases(space: Space, variant: Variant) -> list[Case]:
     return list(dict.fromkeys(cases))
 
 
-def case_seed(base: int, key: str, case: Case) -> int:
-    digest = hashlib.sha256(f"{base}:{key}:{case.label()}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
+BACKWARD_EDGE_SEQS = ((1, 2, 1, 1), (2, 3, 77, 77), (1, 2, 5, 5), (1, 1, 257, 257), (2, 3, 77, 257), (1, 2, 257, 77))
+"""(batch, heads, seq, K/V length) of the edge shapes a backward candidate is gated on: one token,
+lengths that are not multiples of any tile, shorter than one tile, seq_q != seq_k both ways."""
+
+
+def backward_gate_cases(space: Space, variant: Variant) -> list[Case]:
+    """The space's shapes of this variant, ``BACKWARD_EDGE_SEQS`` and ``EDGE_GQA`` (grouped heads)."""
+    cases = [c for c in space.cases if c.variant == variant]
+    d, causal, dtype = variant.head_dim, variant.causal, variant.dtype
+    cases += [Case(b, h, s, d, causal, dtype=dtype, seq_kv=skv) for b, h, s, skv in BACKWARD_EDGE_SEQS]
+    cases += [Case(b, h, s, d, causal, heads_kv=kv, dtype=dtype) for b, h, kv, s in EDGE_GQA]
+    return list(dict.fromkeys(cases))
 
 
 # ---------------------------------------------------------------------------------
@@ -119,7 +114,7 @@ def handle(job: dict) -> dict:
     zero once loaded) and in the job itself (``gate`` or ``timing``).
     """
     kind = job["kind"]
-    phase = {"gate": "gate", "time": "timing"}.get(kind, kind)
+    phase = {"gate": "gate", "time": "timing", "bwd_gate": "gate", "bwd_time": "timing"}.get(kind, kind)
     started = time.perf_counter()
     loaded = started
     try:
@@ -127,24 +122,28 @@ def handle(job: dict) -> dict:
             return gpu_info()
         if kind == "sdpa":
             return _sdpa_job(job)
-        launcher = _load_kernel(job["rendered"], job["cubin_path"])
-        loaded = time.perf_counter()
-        if kind == "gate":
-            answer = _gate_job(launcher, job)
-        elif kind == "time":
-            answer = _time_job(launcher, job)
+        if kind.startswith("bwd_"):
+            from .backward_jobs import JOBS
+
+            if kind not in JOBS:
+                raise ValueError(f"unknown job kind {kind!r}")
+            answer = JOBS[kind](job)
+            loaded = started + 1e-9
         else:
-            raise ValueError(f"unknown job kind {kind!r}")
+            launcher = _load_kernel(job["rendered"], job["cubin_path"])
+            loaded = time.perf_counter()
+            if kind == "gate":
+                answer = _gate_job(launcher, job)
+            elif kind == "time":
+                answer = _time_job(launcher, job)
+            else:
+                raise ValueError(f"unknown job kind {kind!r}")
     except _KernelFault as exc:
         answer = {"status": "launch_failed", "reason": str(exc), "worker_must_restart": True}
     if loaded == started:  # the load itself failed
         loaded = time.perf_counter()
     answer["phases"] = {"load": loaded - started, phase: time.perf_counter() - loaded}
     return answer
-
-
-class _KernelFault(Exception):
-    """A CUDA error during or after a launch: the context may be poisoned."""
 
 
 def _load_kernel(rendered: Rendered, cubin_path: str) -> Any:
@@ -158,15 +157,6 @@ def _load_kernel(rendered: Rendered, cubin_path: str) -> Any:
             raise _KernelFault(f"module load failed: {exc}") from exc
         _KERNELS[cubin_path] = kernel
     return kernel
-
-
-def _sync(stream: Any = None) -> None:
-    import torch
-
-    try:
-        (stream or torch.cuda.current_stream()).synchronize()
-    except Exception as exc:  # noqa: BLE001 - CUDA errors surface here as RuntimeError or CUDADriverError
-        raise _KernelFault(f"CUDA error: {str(exc).splitlines()[0]}") from exc
 
 
 def _random_inputs(case: Case, seed: int) -> tuple[Any, Any, Any]:
@@ -210,26 +200,6 @@ def reference(q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> Any:
     if group > 1:
         kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q.float(), kf, vf, is_causal=causal, scale=scale)
-
-
-def check_output(out: Any, ref: Any, atol: float, rtol: float) -> tuple[str, float, float]:
-    """(reason or '', max abs error, relative L2 error) of ``out`` against ``ref``."""
-    import torch
-
-    outf = out.float()
-    finite = torch.isfinite(outf)
-    if not bool(finite.all()):
-        bad = (~finite).nonzero()[0].tolist()
-        count = int((~finite).sum())
-        return f"{count} of {out.numel()} outputs not finite or never written (first at {tuple(bad)})", math.inf, math.inf
-    err = (outf - ref).abs()
-    max_abs = float(err.max())
-    rel_l2 = float(torch.linalg.vector_norm(outf - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
-    over = err > atol + rtol * ref.abs()
-    if bool(over.any()):
-        where = tuple(over.nonzero()[0].tolist())
-        return f"max abs error {max_abs:.4g} exceeds atol {atol:g} + rtol {rtol:g}*|ref| (first at {where})", max_abs, rel_l2
-    return "", max_abs, rel_l2
 
 
 def gate_launcher(launcher: Callable[..., Any], case: Case, scale: float | None, atol: float, rtol: float, seed: int, trials: int) -> CaseResult:
@@ -391,16 +361,6 @@ def _sdpa_job(job: dict) -> dict:
     return {"status": "ok", "backends": out}
 
 
-def _time_ops(ops: Sequence[Callable[[], Any]], timing: dict, **extra: Any) -> Any:
-    """``time_graph`` under a timing protocol (``Timing.protocol()``, plus a job's
-    ``give_up_above_us``): the one place a protocol becomes time_graph's arguments."""
-    from .timing import time_graph
-
-    return time_graph(ops, repetitions=timing["repetitions"], warmup=timing["warmup"],
-                      min_repetitions=timing.get("min_repetitions"), precision=timing.get("precision", 0.0),
-                      give_up_above_us=timing.get("give_up_above_us"), **extra)
-
-
 def gpu_info() -> dict:
     import platform
     import subprocess
@@ -535,11 +495,13 @@ class Evaluator:
             return EvalResult(**base, status="compile_failed", reason=report.error, resources=resources)
         cases: list[dict] = []
         common = {"key": config.key(), "seed": self.seed, "scale": space.scale}
+        gate_kind, time_kind = ("bwd_gate", "bwd_time") if space.backward else ("gate", "time")
         for variant in space.variants:
             build = report.build(variant)
-            job = {"kind": "gate", "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, **common,
+            job = {"kind": gate_kind, "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, **common,
                    **_tolerance(space, variant.dtype),
-                   "cases": [(c, self.gate_trials if c in space.cases else 1) for c in gate_cases(space, variant)]}
+                   "cases": [(c, self.gate_trials if c in space.cases else 1)
+                             for c in (backward_gate_cases if space.backward else gate_cases)(space, variant)]}
             answer = self._run(job, space.timing.timeout_s)
             cases += answer.get("cases", [])
             if answer["status"] != "ok":
@@ -551,7 +513,7 @@ class Evaluator:
             build = report.build(case.variant)
             best = self.best_case_us.get(case.label())
             race = {"give_up_above_us": best * self.timing["race"]} if best and self.timing.get("race") else {}
-            job = {"kind": "time", "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, "case": case,
+            job = {"kind": time_kind, "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, "case": case,
                    "timing": {**self.timing, **race}, **common, **_tolerance(space, case.dtype)}
             answer = self._run(job, space.timing.timeout_s)
             if answer["status"] != "ok":
@@ -568,19 +530,25 @@ class Evaluator:
         """One timing of a compiled configuration on one case, no gate: the worker's answer
         (status, and time and tflops when ok). ``timing`` replaces the space's protocol."""
         build = report.build(case.variant)
-        job = {"kind": "time", "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, "case": case,
+        job = {"kind": "bwd_time" if self.space.backward else "time", "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, "case": case,
                "timing": timing or self.timing, "key": report.config.key(), "seed": self.seed, "scale": self.space.scale,
                **_tolerance(self.space, case.dtype)}
         return self._run(job, self.space.timing.timeout_s * 2)
 
-    def time_references(self, case: Case, backends: Sequence[str] = SDPA_BACKENDS, timing: dict | None = None) -> dict[str, dict]:
-        """SDPA's backends (and reference calls) on one case: backend -> {status, time, tflops} or reason."""
-        job = {"kind": "sdpa", "case": case, "backends": list(backends), "timing": timing or self.timing, "seed": self.seed,
+    def default_backends(self) -> tuple[str, ...]:
+        """SDPA's backends this space's candidates are compared with (their backward's, for a backward space)."""
+        return BACKWARD_SDPA_BACKENDS if self.space.backward else SDPA_BACKENDS
+
+    def time_references(self, case: Case, backends: Sequence[str] | None = None, timing: dict | None = None) -> dict[str, dict]:
+        """SDPA's backends (and reference calls) on one case: backend -> {status, time, tflops} or
+        reason; a backward space times their backward."""
+        backends = self.default_backends() if backends is None else backends
+        job = {"kind": "bwd_sdpa" if self.space.backward else "sdpa", "case": case, "backends": list(backends), "timing": timing or self.timing, "seed": self.seed,
                "scale": self.space.scale}
         answer = self._run(job, max(120.0, self.space.timing.timeout_s * len(backends) * 3))
         return answer.get("backends", {b: {"status": answer["status"], "reason": answer.get("reason", "")} for b in backends})
 
-    def baseline(self, backends: Sequence[str] = SDPA_BACKENDS, cases: Sequence[Case] | None = None) -> dict[str, dict]:
+    def baseline(self, backends: Sequence[str] | None = None, cases: Sequence[Case] | None = None) -> dict[str, dict]:
         """SDPA backends on every case: label -> backend -> {status, time, tflops} or reason."""
         return {case.label(): self.time_references(case, backends) for case in cases or self.space.cases}
 

@@ -1,22 +1,9 @@
-"""The backward pass's configurations: parameters, validity, shared memory, launches.
+"""The backward pass's configurations: the kept ones, launches and arguments.
 
-One place for what ``templates/flash_attention_bwd.cu.j2`` (the ``mma`` path,
-``_attn_bwd_mma.cuh.j2``) honours; the template states the same rules and the CPU tests
-check that both agree. A backward configuration is a ``Config`` of
-
-- ``DKDV``: how the dK/dV kernel splits its work over warps: ``strips`` (one warp per 16 keys, S^T and
-  P^T in its registers) or ``tiles`` (8 warps tile every product in two dimensions, 32-row warp tiles;
-  P and dS go through shared memory, as FlashAttention-2's backward),
-- ``BLOCK_M``: query rows per tile of the dK/dV kernel (strips: 16, 32, 64, 128, at most ``BLOCK_N``;
-  tiles: 64 or 128),
-- ``BLOCK_N``: keys per CTA of the dK/dV kernel (64 or 128; strips: one warp per 16 keys),
-- ``STAGES``: 1 or 2 (the next Q/dO tile loads during this one),
-- ``DQ_MODE``: ``atomic`` (dQ by fp32 reductions into a workspace, then a conversion) or
-  ``separate`` (a deterministic kernel over query tiles),
-- ``DQ_BLOCK_M``, ``DQ_BLOCK_N``: the separate dQ kernel's query rows per CTA (64, 128) and keys per tile
-  (32, 64, 128).
-
-The forward that feeds it is an ``mma`` forward with ``WRITE_LSE=1`` (``forward_lse_config``).
+A backward configuration is a ``Config`` of the backward's ``mma`` path, whose parameters,
+validity and shared memory ``evoengineer.paths.mma_backward`` owns (``templates/flash_attention_bwd.cu.j2``,
+``_attn_bwd_mma.cuh.j2``, honours them; the CPU tests check both agree). The forward that feeds it
+is an ``mma`` forward with ``WRITE_LSE=1`` (``forward_lse_config``).
 """
 from __future__ import annotations
 
@@ -24,16 +11,17 @@ import json
 import math
 from dataclasses import dataclass
 
+from ..paths import mma_backward as rules
 from ..space import Config
 from .render import Rendered, parameter_kinds
 
-BACKWARD_TEMPLATE = "flash_attention_bwd"
+BACKWARD_TEMPLATE = rules.TEMPLATE
 FORWARD_TEMPLATE = "flash_attention"
-DQ_MODES = ("atomic", "separate")
-HEAD_DIMS = (64, 128)
-DKDV_LAYOUTS = ("strips", "tiles")
-TILES_WARPS = 8
-DEFAULTS: dict[str, int | str] = {"PATH": "mma", "DKDV": "strips", "STAGES": 2, "DQ_MODE": "atomic", "DQ_BLOCK_M": 64, "DQ_BLOCK_N": 64}
+DQ_MODES = rules.DQ_MODES
+HEAD_DIMS = rules.HEAD_DIMS
+DKDV_LAYOUTS = rules.DKDV_LAYOUTS
+TILES_WARPS = rules.TILES_WARPS
+DEFAULTS: dict[str, int | str] = {"PATH": "mma", **rules.DEFAULTS}
 ROW_THREADS = 128
 """Threads of the per-row kernels (preprocess, dQ conversion): 16-byte chunks, one per thread."""
 
@@ -51,58 +39,34 @@ def _values(config: Config) -> dict[str, int | str]:
 
 def warps(config: Config) -> int:
     """Warps of the dK/dV kernel: strips, one per 16 keys of its tile; tiles, 8."""
-    if _values(config)["DKDV"] == "tiles":
-        return TILES_WARPS
-    return int(config["BLOCK_N"]) // 16
+    return rules.warps(_values(config))
 
 
 def problems(config: Config, head_dim: int) -> list[str]:
-    """Why ``config`` cannot build for ``head_dim`` (one line each); empty when it can."""
+    """Why ``config`` cannot build for ``head_dim`` (one line each, the path's rule texts); empty when
+    it can. Shared memory is not checked here (``fits``)."""
     v = _values(config)
-    out: list[str] = []
     if v["PATH"] != "mma":
-        out.append(f"PATH {v['PATH']!r}: the backward has the mma path only")
-    if head_dim not in HEAD_DIMS:
-        out.append(f"HEAD_DIM {head_dim}: the backward supports {', '.join(map(str, HEAD_DIMS))}")
-    bm, bn = v.get("BLOCK_M"), v.get("BLOCK_N")
-    tiles = v["DKDV"] == "tiles"
-    if v["DKDV"] not in DKDV_LAYOUTS:
-        out.append(f"DKDV {v['DKDV']!r}: must be one of {', '.join(DKDV_LAYOUTS)}")
-    if bn not in (64, 128):
-        out.append(f"BLOCK_N {bn}: must be 64 or 128")
-    if tiles:
-        if bm not in (64, 128):
-            out.append(f"BLOCK_M {bm}: must be 64 or 128 with DKDV 'tiles'")
-    elif bm not in (16, 32, 64, 128) or (isinstance(bm, int) and isinstance(bn, int) and bm > bn):
-        out.append(f"BLOCK_M {bm}: must be 16, 32, 64 or 128 and at most BLOCK_N")
-    if v["STAGES"] not in (1, 2):
-        out.append(f"STAGES {v['STAGES']}: must be 1 or 2")
-    if v["DQ_MODE"] not in DQ_MODES:
-        out.append(f"DQ_MODE {v['DQ_MODE']!r}: must be one of {', '.join(DQ_MODES)}")
-    if v["DQ_BLOCK_M"] not in (64, 128) or v["DQ_BLOCK_N"] not in (32, 64, 128):
-        out.append("DQ_BLOCK_M must be 64 or 128 and DQ_BLOCK_N 32, 64 or 128")
-    if not out and not tiles:
-        strips, w = int(bm) // 16, int(bn) // 16
-        if (head_dim // (w // strips)) % 16:
-            out.append(f"BLOCK_M {bm} with BLOCK_N {bn}: dQ column slices of HEAD_DIM {head_dim} are not multiples of 16")
+        return [f"PATH {v['PATH']!r}: the backward has the mma path only"]
+    missing = [name for name in rules.PARAMS if v.get(name) is None]
+    if missing:
+        return [f"{name}: missing" for name in missing]
+    scope = {**v, "MIN_HEAD_DIM": head_dim, "MAX_HEAD_DIM": head_dim, "SMEM_LIMIT": math.inf}
+    out = []
+    for rule in rules.RULES:
+        try:
+            ok = rule(scope)
+        except (TypeError, ValueError, ArithmeticError):
+            ok = False
+        if not ok:
+            values = " ".join(f"{name} {v[name]}" for name in rule.needs) or f"HEAD_DIM {head_dim}"
+            out.append(f"{values}: {rule.text}")
     return out
 
 
 def smem_bytes(config: Config, head_dim: int) -> dict[str, int]:
     """Dynamic shared memory of each kernel (bytes), as the template declares it."""
-    v = _values(config)
-    bm, bn, stages, d = int(v["BLOCK_M"]), int(v["BLOCK_N"]), int(v["STAGES"]), head_dim
-    dkdv = 4 * bn * d + stages * (4 * bm * d + 8 * bm)
-    if v["DKDV"] == "tiles":
-        dkdv += 4 * bm * bn   # P and dS
-    elif v["DQ_MODE"] == "atomic":
-        dkdv += 2 * bn * (bm + 8)   # dS^T
-    out = {"attn_bwd_pre": 0, "attn_bwd_dkdv": dkdv}
-    if v["DQ_MODE"] == "atomic":
-        out["attn_bwd_dq_convert"] = 0
-    else:
-        out["attn_bwd_dq"] = 4 * int(v["DQ_BLOCK_M"]) * d + stages * 4 * int(v["DQ_BLOCK_N"]) * d
-    return out
+    return rules.kernel_smem(_values(config), head_dim)
 
 
 def fits(config: Config, head_dim: int, smem_per_block: int) -> bool:

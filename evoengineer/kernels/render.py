@@ -240,7 +240,7 @@ def render(template: str, config: Config, variant: Variant, directory: str | Pat
             DTYPE=variant.dtype,
             KERNEL_ARGS=KERNEL_ARGS,
             CONFIG_LABEL=config.label(),
-            **derived(config, variant),
+            **derived(config, variant, template),
         )
     except jinja2.UndefinedError as exc:
         raise RenderError(f"template {template!r}: {exc.message}") from exc
@@ -249,11 +249,11 @@ def render(template: str, config: Config, variant: Variant, directory: str | Pat
     return from_source(template, config, variant, header + body)
 
 
-def derived(config: Config, variant: Variant) -> dict[str, int]:
+def derived(config: Config, variant: Variant, template: str = paths.FORWARD_TEMPLATE) -> dict[str, int]:
     """What the configuration's path derives from it at the variant's head dim (``PATH_SMEM_BYTES``,
     ``PATH_THREADS``, ``PATH_ROWS_PER_CTA``); empty for another PATH or a configuration the path's
     formulas cannot take (the template then rejects it by its own checks)."""
-    rules = paths.PATHS.get(str(config.get("PATH")))
+    rules = paths.of_template(template).get(str(config.get("PATH")))
     if rules is None:
         return {}
     scope = rules.scope(config)

@@ -1,8 +1,9 @@
 """Each kernel path's rules in one place: the parameters it uses, the validity of a
 configuration, its shared-memory and register budget, its launch shape and its label tokens.
 
-A path is a value of the ``PATH`` parameter and one include of the ``flash_attention``
-template (``scalar``, ``wmma``, ``mma``, ``wgmma``). The space applies a path's rules to every
+A path is a value of the ``PATH`` parameter and one include of a template: the forward's
+``flash_attention`` (``scalar``, ``wmma``, ``mma``, ``wgmma``) or the backward's
+``flash_attention_bwd`` (``mma``). The space applies a path's rules to every
 configuration of it (a space file restates none of them) and lets constraints call its budgets
 (``smem_bytes()``, ``threads()``); the renderer hands the budgets to the template; the tests
 compare the template's launches with them.
@@ -13,11 +14,18 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from . import mma, scalar, wgmma, wmma
+from . import mma, mma_backward, scalar, wgmma, wmma
 from .base import KernelPath, Rule, Scope
 
+FORWARD_TEMPLATE = "flash_attention"
+BACKWARD_TEMPLATE = mma_backward.TEMPLATE
 PATHS: dict[str, KernelPath] = {p.PATH.name: p.PATH for p in (scalar, wmma, mma, wgmma)}
-"""Every path, by its ``PATH`` value."""
+"""Every path of the forward template, by its ``PATH`` value."""
+TEMPLATE_PATHS: dict[str, dict[str, KernelPath]] = {
+    FORWARD_TEMPLATE: PATHS,
+    BACKWARD_TEMPLATE: {mma_backward.PATH.name: mma_backward.PATH},
+}
+"""Every template's paths, by template name (a template without paths of its own: the forward's)."""
 
 NEUTRAL: dict[str, Any] = {
     "WARPS": 1, "VEC": 1, "STAGES": 1, "SMEM_LAYOUT": "swizzle", "Q_IN_REGS": 0, "P_IN_REGS": 0, "SPLITS": 1,
@@ -29,25 +37,48 @@ NEUTRAL: dict[str, Any] = {
 parameter of its space: a configuration hashes with these filled in, so its key is the one it
 had then."""
 
+def _scope_path(scope: Scope) -> KernelPath:
+    return path_of(scope, scope.get("TEMPLATE", FORWARD_TEMPLATE))
+
+
 SCOPE_FUNCTIONS: dict[str, Callable[[Scope], Any]] = {
-    "smem_bytes": lambda scope: path_of(scope).smem_bytes(path_of(scope).scope(scope), scope["MAX_HEAD_DIM"]),
-    "threads": lambda scope: path_of(scope).threads(path_of(scope).scope(scope)),
+    "smem_bytes": lambda scope: _scope_path(scope).smem_bytes(_scope_path(scope).scope(scope), scope["MAX_HEAD_DIM"]),
+    "threads": lambda scope: _scope_path(scope).threads(_scope_path(scope).scope(scope)),
 }
 """Functions a space's constraints may call, without arguments, on the configuration at hand:
 ``smem_bytes()`` (its main kernel's shared memory at the space's largest head dim) and
 ``threads()`` (its block's threads)."""
 
 
-def get(name: str) -> KernelPath:
-    """The path named ``name``; KeyError naming the known ones."""
+def of_template(template: str) -> dict[str, KernelPath]:
+    """The paths of ``template`` (those of the forward for a template not named here)."""
+    return TEMPLATE_PATHS.get(template, PATHS)
+
+
+def get(name: str, template: str = FORWARD_TEMPLATE) -> KernelPath:
+    """The path named ``name`` of ``template``; KeyError naming the known ones."""
+    known = of_template(template)
     try:
-        return PATHS[name]
+        return known[name]
     except KeyError:
-        raise KeyError(f"no kernel path {name!r} (known: {', '.join(PATHS)})") from None
+        raise KeyError(f"no kernel path {name!r} (known: {', '.join(known)})") from None
 
 
-def path_of(config: Mapping[str, Any]) -> KernelPath:
-    return get(str(config["PATH"]))
+def path_of(config: Mapping[str, Any], template: str = FORWARD_TEMPLATE) -> KernelPath:
+    return get(str(config["PATH"]), template)
 
 
-__all__ = ["NEUTRAL", "PATHS", "SCOPE_FUNCTIONS", "KernelPath", "Rule", "Scope", "get", "path_of"]
+def label_path(values: Mapping[str, Any]) -> KernelPath | None:
+    """The path whose label tokens a configuration takes: the backward's where it has the
+    backward's own parameters (DKDV), else the forward's path of its PATH (None: no such path)."""
+    if "DKDV" in values:
+        return mma_backward.PATH
+    return PATHS.get(str(values.get("PATH")))
+
+
+def is_backward(template: str) -> bool:
+    """Whether ``template`` is the backward pass's (its objective: the backward's device time)."""
+    return template == BACKWARD_TEMPLATE
+
+
+__all__ = ["BACKWARD_TEMPLATE", "FORWARD_TEMPLATE", "NEUTRAL", "PATHS", "TEMPLATE_PATHS", "is_backward", "label_path", "of_template", "SCOPE_FUNCTIONS", "KernelPath", "Rule", "Scope", "get", "path_of"]

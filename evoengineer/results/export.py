@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from .. import runtime
 from ..space import Config, Variant
-from .export_backward import BackwardChoice, backward_kernel_entry, deterministic_twin, short_backward
+from .export_backward import BackwardChoice, backward_kernel_entry, short_backward
 from .per_shape import (
     DISPATCH_RULE,
     ExportError,
@@ -377,7 +377,7 @@ def _backward(out: Path, module_name: str, specs: list[KernelSpec], choice: Back
         written.append(out / lse_file)
         forward_kernels.append({**_kernel_info(lse, module_name), "source": lse_file})
         fallback = choice.fallback(dtype, head_dim, causal)
-        exact = deterministic_twin(fallback, head_dim)
+        exact = choice.deterministic_for(dtype, head_dim, causal)
         cases = [m for m in choice.measured if m.shape.variant_key == (dtype, head_dim, causal)]
         for config in dict.fromkeys([fallback, exact, *(m.config for m in cases)]):
             cid = config.key()

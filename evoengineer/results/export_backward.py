@@ -9,6 +9,7 @@ deterministic already, else the head dim's deterministic default).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 from ..kernels import Rendered
@@ -46,16 +47,68 @@ class BackwardChoice:
     configs: dict[int, Config] = field(default_factory=dict)
     measured: list[MeasuredBackward] = field(default_factory=list)
     enabled: bool = True
+    deterministic: dict[tuple[str, int, bool], Config] = field(default_factory=dict)
+    """Per (dtype, head dim, causal): the fastest deterministic configuration backward runs measured."""
 
     def fallback(self, dtype: str, head_dim: int, causal: bool) -> Config:
-        """The variant's backward fallback: the explicit one, else the variant's fastest measured
-        winner over most cases, else the head dim's default."""
+        """The variant's backward fallback: the explicit one, else the variant's measured winner
+        over most cases (of the other dtype where this one was not measured: a configuration
+        builds for both), else the head dim's default."""
         if head_dim in self.configs:
             return self.configs[head_dim]
-        won = [m.config for m in self.measured if m.shape.variant_key == (dtype, head_dim, causal)]
-        if won:
-            return max(dict.fromkeys(won), key=won.count)
+        for same_dtype in (True, False):
+            won = [m.config for m in self.measured if (m.shape.head_dim, m.shape.causal) == (head_dim, causal)
+                   and (m.shape.dtype == dtype) == same_dtype]
+            if won:
+                return max(dict.fromkeys(won), key=won.count)
         return default_config(head_dim)
+
+    def deterministic_for(self, dtype: str, head_dim: int, causal: bool) -> Config:
+        """What a deterministic call of the variant runs: the fallback where it is deterministic,
+        else the measured fastest deterministic configuration, else the head dim's default one."""
+        fallback = self.fallback(dtype, head_dim, causal)
+        if deterministic(fallback) or head_dim in self.configs:
+            return deterministic_twin(fallback, head_dim)
+        return self.deterministic.get((dtype, head_dim, causal)) or deterministic_twin(fallback, head_dim)
+
+
+def backward_runs(paths: Sequence[Path]) -> tuple[list[Path], list[Path]]:
+    """``paths`` split into forward runs and backward runs (their space's template is the backward's)."""
+    from .per_shape import RunInfo
+
+    forward, backward = [], []
+    for path in paths:
+        (backward if RunInfo.load(path).space.backward else forward).append(path)
+    return forward, backward
+
+
+def measured_backward(paths: Sequence[Path]) -> tuple[list[MeasuredBackward], dict[tuple[str, int, bool], Config]]:
+    """The per-case winners of backward runs, and per variant the deterministic configuration
+    (separate dQ) with the lowest geometric mean over the variant's cases among those that ran them all."""
+    import math
+
+    from .per_shape import RunInfo, per_shape_winners
+
+    per = per_shape_winners(paths)
+    winners = [MeasuredBackward(w.shape, Config(per.configs[w.config].config), w.median_us) for w in per.winners]
+    totals: dict[tuple[str, int, bool], dict[Config, list[float]]] = {}
+    for path in paths:
+        run = RunInfo.load(path)
+        for record in run.records:
+            config = Config(record["config"])
+            if not deterministic(config):
+                continue
+            for case in record.get("cases", []):
+                median = (case.get("time") or {}).get("median_us")
+                shape = run.shape(case["label"])
+                if median and shape is not None:
+                    totals.setdefault(shape.variant_key, {}).setdefault(config, []).append(math.log(median))
+    exact = {}
+    for key, by_config in totals.items():
+        most = max(len(v) for v in by_config.values())
+        full = {c: sum(v) for c, v in by_config.items() if len(v) == most}
+        exact[key] = min(full, key=full.__getitem__)
+    return winners, exact
 
 
 def parse_backward_option(text: str) -> dict[int, Config]:
@@ -90,12 +143,14 @@ def parse_backward_option(text: str) -> dict[int, Config]:
     return named
 
 
-def backward_choice(options: Sequence[str], enabled: bool = True, measured: Sequence[MeasuredBackward] = ()) -> BackwardChoice:
-    """The choice ``--backward`` options make (later options win for a head dim)."""
+def backward_choice(options: Sequence[str], enabled: bool = True, measured: Sequence[MeasuredBackward] = (),
+                    exact: dict[tuple[str, int, bool], Config] | None = None) -> BackwardChoice:
+    """The choice ``--backward`` options make (later options win for a head dim), over what backward
+    runs measured (``measured``, ``exact``: see ``measured_backward``)."""
     configs: dict[int, Config] = {}
     for option in options:
         configs.update(parse_backward_option(option))
-    return BackwardChoice(configs, list(measured), enabled)
+    return BackwardChoice(configs, list(measured), enabled, dict(exact or {}))
 
 
 def deterministic_twin(config: Config, head_dim: int) -> Config:

@@ -79,10 +79,11 @@ class Config(Mapping[str, ParamValue]):
         ``ptmao`` with O_TMA=1 too (their O stored by TMA); ``dtma`` and ``dtmao`` with PERSISTENT=2
         (persistent CTAs taking their work tiles from a counter), ``stma`` and ``stmao`` with
         SPLIT_TAIL=1 too (a short last round of tiles cut over every CTA), ``htma`` and ``htmao`` with
-        SPLIT_TAIL=2 (a last round up to half full cut).
+        SPLIT_TAIL=2 (a last round up to half full cut). A backward configuration reads ``bwd``
+        (``bwdt``: dK/dV in 2-D warp tiles) and ``dq=atomic`` or ``dq=sep64x32``.
         """
         values: dict[str, Any] = dict(self.items_)
-        path = paths.PATHS.get(str(values.get("PATH")))
+        path = paths.label_path(values)
         if path is not None and path.label is not None:  # the path's own tokens (wgmma: warpgroups, loads, overlap)
             path.label(values)
         parts = [str(values.pop("PATH"))] if "PATH" in values else []

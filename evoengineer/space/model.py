@@ -149,6 +149,11 @@ class Case:
             pairs = sk * sk / 2.0 + float(sq - sk) * sk
         return 4.0 * self.batch * self.heads * pairs * self.head_dim
 
+    def backward_flops(self) -> float:
+        """Matmul FLOPs of the backward pass: 2.5 times the forward's (five products against two,
+        S = QK^T recomputed), as FlashAttention's papers count them."""
+        return 2.5 * self.flops()
+
 
 @dataclass(frozen=True)
 class Param:
@@ -196,10 +201,12 @@ class PathSpace:
     name: str
     params: tuple[Param, ...]
     constraints: tuple[Constraint, ...] = ()
+    template: str = kernel_paths.FORWARD_TEMPLATE
+    """The template whose path this is (the backward's ``mma`` is not the forward's)."""
 
     @property
     def rules(self) -> kernel_paths.KernelPath:
-        return kernel_paths.get(self.name)
+        return kernel_paths.get(self.name, self.template)
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -299,6 +306,15 @@ class Space:
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
 
+    @property
+    def backward(self) -> bool:
+        """A space of the backward pass: its objective is the backward's device time."""
+        return kernel_paths.is_backward(self.template)
+
+    def flops(self, case: Case) -> float:
+        """FLOPs of one call on ``case``: the forward's, or the backward's for a backward space."""
+        return case.backward_flops() if self.backward else case.flops()
+
     def param(self, name: str) -> Param:
         for p in self.params:
             if p.name == name:
@@ -349,6 +365,7 @@ class Space:
             return {}
         dims = [c.head_dim for c in self.cases]
         return {
+            "TEMPLATE": self.template,
             "SMEM_LIMIT": self.target.smem_per_block,
             "SMS": self.target.sms,
             "ARCH": self.target.arch_number,
@@ -792,11 +809,21 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
     template = v.string(root["template"], "template")
     if template not in template_names():
         v.fail("template", f"no template {template!r}{_hint(template, template_names())}")
+    if kernel_paths.is_backward(template):
+        if "paths" not in root:
+            v.fail("paths", f"the {template} template's space is written per path (paths: mma: ...)")
+        dims = sorted({c.head_dim for c in cases} - set(kernel_paths.mma_backward.HEAD_DIMS))
+        if dims:
+            v.fail("problem.shapes", f"head dim {dims[0]}: the backward supports "
+                                     f"{', '.join(map(str, kernel_paths.mma_backward.HEAD_DIMS))}")
+        if any(c.features for c in cases):
+            v.fail("problem.shapes", "the backward takes no soft cap or window")
 
     space_env_names = {"SMEM_LIMIT", "SMS", "ARCH", "ARCH_NAME", "MAX_HEAD_DIM", "MIN_HEAD_DIM"}
     path_spaces: tuple[PathSpace, ...] = ()
     if "paths" in root:
-        params, path_spaces = _parse_paths(v, root.get("params"), root["paths"], root.get("constraints", []), space_env_names)
+        params, path_spaces = _parse_paths(v, root.get("params"), root["paths"], root.get("constraints", []), space_env_names,
+                                           template)
         constraints: tuple[Constraint, ...] = ()
     else:
         params = _parse_params(v, root["params"])
@@ -987,8 +1014,8 @@ def _parse_params(v: "_Validator", raw: Any, where: str = "params", allow_empty:
     return tuple(params)
 
 
-def _parse_paths(v: "_Validator", shared_raw: Any, raw: Any, constraints_raw: Any,
-                 env_names: set[str]) -> tuple[tuple[Param, ...], tuple[PathSpace, ...]]:
+def _parse_paths(v: "_Validator", shared_raw: Any, raw: Any, constraints_raw: Any, env_names: set[str],
+                 template: str = kernel_paths.FORWARD_TEMPLATE) -> tuple[tuple[Param, ...], tuple[PathSpace, ...]]:
     """``params`` (every path's), ``paths: {name: {params, constraints}}`` and the top-level
     ``constraints`` (every path's) of a space written per path: the union of the parameters
     (PATH first) and each path's space. A parameter a path does not use is an error."""
@@ -1002,10 +1029,11 @@ def _parse_paths(v: "_Validator", shared_raw: Any, raw: Any, constraints_raw: An
     union: dict[str, list[ParamValue]] = {}
     for name, entry in entries.items():
         key = f"paths.{name}"
-        if name not in kernel_paths.PATHS:
-            v.fail(key, f"no kernel path {name!r}{_hint(str(name), list(kernel_paths.PATHS))} "
-                        f"(known: {', '.join(kernel_paths.PATHS)})")
-        rules = kernel_paths.get(name)
+        known_paths = kernel_paths.of_template(template)
+        if name not in known_paths:
+            v.fail(key, f"no kernel path {name!r}{_hint(str(name), list(known_paths))} "
+                        f"(known: {', '.join(known_paths)})")
+        rules = kernel_paths.get(name, template)
         spec = v.mapping(entry, key, _PATH_KEYS)
         own = _parse_params(v, spec.get("params"), f"{key}.params", allow_empty=True)
         mine = {p.name: p for p in own}
@@ -1019,7 +1047,7 @@ def _parse_paths(v: "_Validator", shared_raw: Any, raw: Any, constraints_raw: An
         known = {"PATH", *(p.name for p in params)} | env_names
         checks = _parse_constraints(v, constraints_raw, known, "constraints", name)
         checks += _parse_constraints(v, spec.get("constraints", []), known, f"{key}.constraints")
-        out.append(PathSpace(name, params, checks))
+        out.append(PathSpace(name, params, checks, template))
     merged = [Param(n, tuple(sorted(x) if all(isinstance(y, int) and not isinstance(y, bool) for y in x) else x))
               for n, x in union.items()]
     return (Param("PATH", tuple(p.name for p in out)), *merged), tuple(out)
