@@ -23,10 +23,11 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-SWITCHES = ("seqlens", "softcap", "window")
+SWITCHES = ("seqlens", "softcap", "varlen", "window")
 """Features a kernel's compile-time switches add (kernel.json ``features``)."""
-POINTER_ARGS = ("seqlens_k", "leftpad_k")
-"""Kernel arguments a ``seqlens`` kernel takes: int32 pointers, per batch (null: none)."""
+POINTER_ARGS = ("seqlens_k", "leftpad_k", "cu_seqlens_q", "cu_seqlens_k")
+"""Kernel arguments of ``seqlens`` kernels (int32 pointers, per batch; null: none) and ``varlen``
+kernels (int32 pointers, batch + 1 offsets into packed sequences; null: the dense layout)."""
 SCALAR_ARGS = ("window_left", "window_right", "softcap")
 """Kernel arguments of ``window`` (i32) and ``softcap`` (f32) kernels."""
 FALLBACKS = (None, "sdpa")
