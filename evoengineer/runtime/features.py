@@ -51,12 +51,14 @@ class CallFeatures:
     window_right: int = -1
     softcap: float = 0.0
     seqlens: bool = False
+    varlen: bool = False
+    """Packed sequences (``attention_varlen``): offsets ``cu_seqlens_q``, ``cu_seqlens_k`` per call."""
 
     def needed(self, causal: bool) -> tuple[str, ...]:
         """The switches a kernel needs to serve this call (sorted)."""
         window = self.window_left >= 0 or (self.window_right >= 0 and not causal)
         return tuple(name for name, on in (("seqlens", self.seqlens), ("softcap", self.softcap > 0),
-                                           ("window", window)) if on)
+                                           ("varlen", self.varlen), ("window", window)) if on)
 
     def values(self) -> dict[str, int | float]:
         """The scalar kernel arguments (every feature's; a kernel packs those it takes)."""
@@ -128,9 +130,11 @@ def select_kernel(kernels: Mapping[tuple, Any], variant: tuple[str, int, bool], 
 
 
 def allowed_keys(batch: int, seq_q: int, seq_k: int, causal: bool, features: CallFeatures = PLAIN,
-                 seqlens_k: Any = None, leftpad_k: Any = None, device: Any = "cpu") -> Any:
-    """The boolean mask (batch, 1, seq_q, seq_k) of the keys each query sees (True: attended)."""
-    i = torch.arange(seq_q, device=device).view(seq_q, 1)
+                 seqlens_k: Any = None, leftpad_k: Any = None, device: Any = "cpu", offset: int = 0) -> Any:
+    """The boolean mask (batch, 1, seq_q, seq_k) of the keys each query sees (True: attended);
+    query i sits at key position i + ``offset`` for the causal mask and the window (0: top-left;
+    ``seq_k - seq_q``: bottom-right, as flash-attn's varlen)."""
+    i = torch.arange(seq_q, device=device).view(seq_q, 1) + offset
     j = torch.arange(seq_k, device=device).view(1, seq_k)
     allowed = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
     if causal:
