@@ -253,6 +253,8 @@ def test_the_op_with_the_fallback_runs_through_the_dispatcher(module) -> None:
     q, k, v, cu_q, cu_k = packed([4, 7], [9, 7], dtype=torch.float32)
     out = module.attention_varlen_op(q, k, v, cu_q, cu_k, 7, 9, True, None, -1, -1, 0.0, "sdpa")
     torch.testing.assert_close(out, per_sequence(q, k, v, [4, 7], [9, 7], True), atol=1e-5, rtol=1e-5)
+    torch.library.opcheck(module.attention_varlen_op, (q, k, v, cu_q, cu_k, 7, 9),
+                          {"is_causal": True, "window_left": 3, "softcap": 2.0, "fallback": "sdpa"})
 
 
 # -- fake tensors and torch.compile -----------------------------------------------------------------------

@@ -10,9 +10,11 @@ shape (batch,). The window is aligned top-left, as ``is_causal``: query position
 i - left .. i + right (flash-attn aligns bottom-right; the two agree when S_q == S_k). A query
 that sees no key gives 0, as flash-attn.
 
-A kernel built with a feature's compile-time switch (``// FEATURES softcap window seqlens``)
+A kernel built with a feature's compile-time switch (``// FEATURES seqlens softcap varlen window``)
 serves calls with or without it; kernel.json lists each kernel's features and a call runs a
-kernel whose features include what it asks (``select_kernel``).
+kernel whose features include what it asks (``select_kernel``). ``varlen`` is the packed layout
+of ``attention_varlen`` (``varlen.py``: offsets ``cu_seqlens_q``, ``cu_seqlens_k``; its causal
+mask and window align bottom-right, as flash-attn's varlen); null offsets are the dense layout.
 """
 from __future__ import annotations
 

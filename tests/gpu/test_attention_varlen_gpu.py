@@ -160,6 +160,13 @@ def test_torch_compile_fullgraph_runs_a_varlen_call(modules) -> None:
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_the_varlen_op_passes_opcheck(modules) -> None:
+    module = modules["mma"]
+    q, k, v, cu_q, cu_k = packed([3, 0, 70], [5, 2, 70], 4, 2, 64, torch.float16, seed=11)
+    for kwargs in ({}, {"is_causal": True, "scale": 0.2}, {"window_left": 8, "window_right": 0, "softcap": 4.0}):
+        torch.library.opcheck(module.attention_varlen_op, (q, k, v, cu_q, cu_k, 70, 70), kwargs)
+
+
 def test_a_cuda_graph_captures_a_varlen_call_and_replays_it_with_new_inputs(modules) -> None:
     module = modules["split-pack"]
     lengths_q, lengths_k = [1, 17, 0, 1000], [1, 40, 3, 1000]
