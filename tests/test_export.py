@@ -92,8 +92,8 @@ def test_export_writes_one_kernel_per_distinct_configuration_and_variant(exporte
         ("fp16", 64, False, MMA.key()), ("fp16", 64, True, MMA.key()),  # the fallback: every variant
         ("fp16", 128, False, MMA.key()), ("fp16", 128, True, MMA.key()),
         ("fp16", 128, False, SPLIT.key()),
-        # and, of the fallback, a kernel with every feature per variant (padding, windows, soft-capping)
-        *((dtype, d, c, MMA.key(), ("seqlens", "softcap", "window")) for dtype in ("fp16",) for d in (64, 128)
+        # and, of the fallback, a kernel with every feature per variant (padding, soft-capping, packed sequences, windows)
+        *((dtype, d, c, MMA.key(), ("seqlens", "softcap", "varlen", "window")) for dtype in ("fp16",) for d in (64, 128)
           for c in (False, True)),
     }
     split = module.KERNELS[("fp16", 128, False, SPLIT.key())]

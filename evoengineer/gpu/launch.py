@@ -85,7 +85,8 @@ class AttentionKernel:
         ``workspace``: a caller's float32 CUDA tensor of at least the declared workspace, passed as
         ``WS`` instead of the kernel's own (a ``WRITE_LSE`` forward leaves the row log-sum-exp there).
         ``features``: values of the arguments of a kernel with compile-time features (``softcap``,
-        ``window_left``, ``window_right``, tensors ``seqlens_k``, ``leftpad_k``); left out: off."""
+        ``window_left``, ``window_right``, tensors ``seqlens_k``, ``leftpad_k``; a ``varlen``
+        kernel's ``cu_seqlens_q``, ``cu_seqlens_k`` stay null here: the dense layout); left out: off."""
         import cupy
         import torch
 
@@ -187,7 +188,8 @@ def argument_values(q: Any, k: Any, v: Any, out: Any, ws_ptr: int, scale_log2: f
 def feature_values(features: dict[str, Any] | None) -> dict[str, int | float]:
     """The feature arguments of a call by name (tensors as their data pointers), off where left out."""
     given = dict(features or {})
-    values: dict[str, int | float] = {"softcap": 0.0, "window_left": -1, "window_right": -1, "seqlens_k": 0, "leftpad_k": 0}
+    values: dict[str, int | float] = {"softcap": 0.0, "window_left": -1, "window_right": -1, "seqlens_k": 0, "leftpad_k": 0,
+                                      "cu_seqlens_q": 0, "cu_seqlens_k": 0}
     for name, value in given.items():
         if name not in values:
             raise LaunchError(f"unknown feature argument {name!r}")

@@ -60,11 +60,13 @@ log2(e)."""
 FEATURE_ARGS = {
     "seqlens": [("seqlens_k", "ptr"), ("leftpad_k", "ptr")],
     "softcap": [("softcap", "f32")],
+    "varlen": [("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr")],
     "window": [("window_left", "i32"), ("window_right", "i32")],
 }
 """Arguments a kernel with a compile-time feature takes after ``KERNEL_ARGS`` (per feature, in
-sorted feature order): per-batch key ranges (int32 pointers, null: none), the soft cap, the
-window's sides (``runtime.features``)."""
+sorted feature order): per-batch key ranges (int32 pointers, null: none), the soft cap, packed
+sequences' offsets (int32 pointers, batch + 1 each; null: the dense layout), the window's sides
+(``runtime.features``)."""
 
 
 @dataclass(frozen=True)

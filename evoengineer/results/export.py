@@ -38,7 +38,9 @@ from .per_shape import (
 
 MODULE_NAME = "evo_attention"
 
-from ..runtime.kernel_file import FEATURE_ARGS, POINTER_ARGS
+from ..runtime.features import POINTER_ARGS as FEATURE_POINTERS
+from ..runtime.features import SCALAR_ARGS as FEATURE_SCALARS
+from ..runtime.kernel_file import POINTER_ARGS
 from ..runtime.kernel_file import SCALAR_ARGS as KNOWN_SCALARS
 
 RUNTIME_DIR = Path(runtime.__file__).resolve().parent
@@ -101,7 +103,7 @@ def kernel_args(source: str, kernel: str) -> list[tuple[str, str]]:
             if name not in declared:
                 raise ExportError(f"kernel {kernel!r}: tensor map parameter {name!r} has no '// TENSOR_MAP' line")
             continue
-        known = POINTER_ARGS + FEATURE_ARGS[:2] if kind == "ptr" else KNOWN_SCALARS + FEATURE_ARGS[2:]
+        known = POINTER_ARGS + FEATURE_POINTERS if kind == "ptr" else KNOWN_SCALARS + FEATURE_SCALARS
         if name not in known:
             raise ExportError(f"kernel {kernel!r}: parameter {name!r} is not one the module knows how to fill "
                               f"(pointers {', '.join(POINTER_ARGS)}; scalars {', '.join(KNOWN_SCALARS)})")

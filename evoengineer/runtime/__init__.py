@@ -32,6 +32,12 @@ those features (kernel.json lists each kernel's); fallback='sdpa' runs SDPA for 
 covers, counted per reason by fallback_counts() and explain() (features.py). The backward kernels
 have no features: a call with features whose inputs require grad is refused in one line.
 
+Packed variable-length sequences, as flash-attn's varlen: attention_varlen(q, k, v, cu_seqlens_q,
+cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False, scale=None, window_size=(-1, -1),
+softcap=0.0, fallback=None) with q (total_q, heads, head_dim), k and v (total_k, heads_kv,
+head_dim), int32 (batch + 1,) offsets; causal and windows align bottom-right there, as
+flash-attn's (varlen.py). Served by the kernels with the varlen feature; inference only.
+
 Each kernel is compiled at first use by NVRTC (cupy.RawModule) for the GPU present and launched
 with cupy.cuda.driver.launchKernel on torch's current stream, reading and writing the tensors in
 place through their strides; kernels that load by TMA also take tensor maps (cuTensorMapEncodeTiled
@@ -90,6 +96,9 @@ else:  # a copy in an export directory: serve the kernel.json beside this packag
     attention_features_op = _export.features_op
     """torch.ops.<OP_NAMESPACE>.attention_features.default: a call with a window, soft cap,
     per-batch key ranges or a fallback through the dispatcher."""
+    attention_varlen = _export.attention_varlen
+    attention_varlen_op = _export.varlen_op
+    """torch.ops.<OP_NAMESPACE>.attention_varlen.default: a varlen call through the dispatcher."""
     OP_NAMESPACE = _export.data.op_namespace
     ARCH = _export.data.arch
     """The GPU architecture searched on; kernels compile for the GPU present."""
@@ -102,6 +111,7 @@ else:  # a copy in an export directory: serve the kernel.json beside this packag
     GQA = _export.gqa
     """Whether every kernel takes a K/V head count (grouped-query attention without copies)."""
     __all__ = ["attention", "attention_op", "attention_lse_op", "attention_backward_op", "attention_features_op",
+               "attention_varlen", "attention_varlen_op",
                "dispatch", "dispatch_backward", "explain", "explain_backward", "compile_all", "fallback_counts",
                "hf_attention", "register_hf", "set_deterministic", "BACKWARD", "BACKWARD_CONFIGS", "CONFIGS",
                "DISPATCH", "DISPATCH_RULE", "GQA", "KERNELS", "OP_NAMESPACE", "LOG2E"]

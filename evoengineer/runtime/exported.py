@@ -1,5 +1,5 @@
 """One export's runtime: its kernel.json read, the dispatch table, the kernels, the launchers
-(inference, LSE forward and backward, calls with features), the custom ops and the functions a user calls, tied together."""
+(inference, LSE forward and backward, calls with features, packed variable-length sequences), the custom ops and the functions a user calls, tied together."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,6 +15,7 @@ from .backward_launch import BackwardLauncher
 from .launch import Launcher
 from .loading import KernelCache
 from .op import Settings, grad_checker, make_attention, make_feature_attention, register_features_op, register_ops
+from .varlen import VarlenLauncher, make_varlen_attention, register_varlen_op
 
 KERNEL_FILE = "kernel.json"
 
@@ -39,6 +40,9 @@ class ExportedAttention:
         self.attention = make_feature_attention(make_attention(self.launcher.forward, self.ops, self.settings),
                                                 self.launcher.forward_features, self.features_op,
                                                 self.launcher.features_with_grad)
+        self.varlen = VarlenLauncher(self.launcher)
+        self.varlen_op = register_varlen_op(data.op_namespace, self.varlen.forward, self.coverage)
+        self.attention_varlen = make_varlen_attention(self.varlen.forward, self.varlen_op, self.varlen.with_grad)
         self.hf_attention = make_hf_attention(self.attention, self.gqa)
         self.explain = self.launcher.explain
         self.explain_backward = self.backward.explain

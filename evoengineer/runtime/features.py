@@ -10,9 +10,11 @@ shape (batch,). The window is aligned top-left, as ``is_causal``: query position
 i - left .. i + right (flash-attn aligns bottom-right; the two agree when S_q == S_k). A query
 that sees no key gives 0, as flash-attn.
 
-A kernel built with a feature's compile-time switch (``// FEATURES softcap window seqlens``)
+A kernel built with a feature's compile-time switch (``// FEATURES seqlens softcap varlen window``)
 serves calls with or without it; kernel.json lists each kernel's features and a call runs a
-kernel whose features include what it asks (``select_kernel``).
+kernel whose features include what it asks (``select_kernel``). ``varlen`` is the packed layout
+of ``attention_varlen`` (``varlen.py``: offsets ``cu_seqlens_q``, ``cu_seqlens_k``; its causal
+mask and window align bottom-right, as flash-attn's varlen); null offsets are the dense layout.
 """
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-SWITCHES = ("seqlens", "softcap", "window")
+SWITCHES = ("seqlens", "softcap", "varlen", "window")
 """Features a kernel's compile-time switches add (kernel.json ``features``)."""
-POINTER_ARGS = ("seqlens_k", "leftpad_k")
-"""Kernel arguments a ``seqlens`` kernel takes: int32 pointers, per batch (null: none)."""
+POINTER_ARGS = ("seqlens_k", "leftpad_k", "cu_seqlens_q", "cu_seqlens_k")
+"""Kernel arguments of ``seqlens`` kernels (int32 pointers, per batch; null: none) and ``varlen``
+kernels (int32 pointers, batch + 1 offsets into packed sequences; null: the dense layout)."""
 SCALAR_ARGS = ("window_left", "window_right", "softcap")
 """Kernel arguments of ``window`` (i32) and ``softcap`` (f32) kernels."""
 FALLBACKS = (None, "sdpa")
@@ -50,12 +53,14 @@ class CallFeatures:
     window_right: int = -1
     softcap: float = 0.0
     seqlens: bool = False
+    varlen: bool = False
+    """Packed sequences (``attention_varlen``): offsets ``cu_seqlens_q``, ``cu_seqlens_k`` per call."""
 
     def needed(self, causal: bool) -> tuple[str, ...]:
         """The switches a kernel needs to serve this call (sorted)."""
         window = self.window_left >= 0 or (self.window_right >= 0 and not causal)
         return tuple(name for name, on in (("seqlens", self.seqlens), ("softcap", self.softcap > 0),
-                                           ("window", window)) if on)
+                                           ("varlen", self.varlen), ("window", window)) if on)
 
     def values(self) -> dict[str, int | float]:
         """The scalar kernel arguments (every feature's; a kernel packs those it takes)."""
@@ -127,9 +132,11 @@ def select_kernel(kernels: Mapping[tuple, Any], variant: tuple[str, int, bool], 
 
 
 def allowed_keys(batch: int, seq_q: int, seq_k: int, causal: bool, features: CallFeatures = PLAIN,
-                 seqlens_k: Any = None, leftpad_k: Any = None, device: Any = "cpu") -> Any:
-    """The boolean mask (batch, 1, seq_q, seq_k) of the keys each query sees (True: attended)."""
-    i = torch.arange(seq_q, device=device).view(seq_q, 1)
+                 seqlens_k: Any = None, leftpad_k: Any = None, device: Any = "cpu", offset: int = 0) -> Any:
+    """The boolean mask (batch, 1, seq_q, seq_k) of the keys each query sees (True: attended);
+    query i sits at key position i + ``offset`` for the causal mask and the window (0: top-left;
+    ``seq_k - seq_q``: bottom-right, as flash-attn's varlen)."""
+    i = torch.arange(seq_q, device=device).view(seq_q, 1) + offset
     j = torch.arange(seq_k, device=device).view(1, seq_k)
     allowed = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
     if causal:

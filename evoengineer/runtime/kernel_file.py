@@ -35,7 +35,8 @@ FEATURE_GQA = "gqa"
 """A kernel with this feature takes a K/V head count (``int H_kv``): grouped-query attention."""
 FEATURE_ARGS = (*FEATURE_POINTERS, *FEATURE_SCALARS)
 """Arguments of kernels with compile-time features (``features.SWITCHES``): pointers
-``seqlens_k``, ``leftpad_k``, scalars ``window_left``, ``window_right``, ``softcap``."""
+``seqlens_k``, ``leftpad_k``, ``cu_seqlens_q``, ``cu_seqlens_k``, scalars ``window_left``,
+``window_right``, ``softcap``."""
 
 
 class KernelFileError(ValueError):

@@ -15,6 +15,7 @@ from . import tensormap
 from .arguments import PackedArguments, element_strides, pack_arguments, scalar_values
 from .checks import DTYPE_NAMES, Coverage, check_inputs
 from .dispatch import DispatchTable
+from .features import POINTER_ARGS as RANGE_POINTERS
 from .features import PLAIN, CallFeatures, FallbackCounts, Uncovered, check_ranges, reference_attention, select_kernel
 from .grid import counter_words, grid
 from .kernel_file import ExportData, KernelSpec
@@ -129,6 +130,8 @@ class Plan:
     """Why no kernel serves such a call, where it runs the fallback instead (``run`` unused)."""
     ranges: bool = False
     """The kernel takes per-batch key ranges (``seqlens_k``, ``leftpad_k``), set per call."""
+    varlen: bool = False
+    """The kernel takes packed sequences' offsets (``cu_seqlens_q``, ``cu_seqlens_k``), set per call."""
 
 
 FEATURE_GRAD_REASON = ("a gradient is needed (q, k or v requires grad) and the backward kernels have no features "
@@ -212,19 +215,31 @@ class Launcher:
         (a kernel with those switches)."""
         batch, heads, seq_q, head_dim = (int(x) for x in q.shape)
         heads_kv, seq_k = int(k.shape[1]), int(k.shape[2])
-        cid, device = spec.config, q.get_device()
         out_meta = torch.empty_like(q, device="meta")
         strides = (element_strides(q), element_strides(k), element_strides(v), element_strides(out_meta))
         if any(s % 8 for group in strides for s in group):
             raise ValueError(f"attention: strides must be multiples of 8 elements (16 bytes), got q {tuple(q.stride())}, "
                              f"k {tuple(k.stride())}, v {tuple(v.stride())}; pass .contiguous() copies")
+        maps, map_at, keep = self._encode_maps(spec, q, k, v, out_meta)
+        return self.plan_launches(spec, q.get_device(), (batch, heads, heads_kv, seq_q, seq_k, head_dim), strides, scale,
+                                  lse, features, maps, map_at, keep)
+
+    def plan_launches(self, spec: KernelSpec, device: int, dims: tuple[int, int, int, int, int, int],
+                      strides: tuple[Sequence[int], ...], scale: float | None, lse: bool = False,
+                      features: CallFeatures = PLAIN, maps: tuple[MapSlot, ...] = (), map_at: dict[str, int] | None = None,
+                      keep: tuple[Any, ...] = ()) -> Plan:
+        """The plan of one forward kernel on ``device`` over (batch, heads, heads_kv, seq_q, seq_k,
+        head_dim) with (batch, head, row) element strides of q, k, v and out (``plan_kernel``'s
+        tensors, or packed sequences' with batch strides 0 and the longest lengths); ``maps``,
+        ``map_at``, ``keep``: a TMA kernel's tensor maps (``_encode_maps``)."""
+        batch, heads, heads_kv, seq_q, seq_k, head_dim = dims
+        cid = spec.config
         functions = self.kernels.functions(spec.key, device, spec)
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         values: dict[str, int | float] = {**scalar_values(batch, heads, heads_kv, seq_q, seq_k, *strides, scale * LOG2E),
                                           "Q": 0, "K": 0, "V": 0, "O": 0, "WS": 0,
-                                          **features.values(), "seqlens_k": 0, "leftpad_k": 0}
-        maps, map_at, keep = self._encode_maps(spec, q, k, v, out_meta)
-        packed = pack_arguments(spec.args, values, map_at)
+                                          **features.values(), **{name: 0 for name in RANGE_POINTERS}}
+        packed = pack_arguments(spec.args, values, map_at or {})
         sms = multiprocessors(device) if any(l.persistent or l.split_tail for l in spec.launches) else 0
         launches = tuple((handle, *grid(launch, batch, heads, heads_kv, seq_q, sms), *launch.block, launch.smem)
                          for (_, handle), launch in zip(functions, spec.launches))
@@ -237,7 +252,8 @@ class Launcher:
         run = make_run(packed, launches, ws_floats, device, cupy.cuda.driver.launchKernel, maps, counter,
                        (batch, heads, seq_q) if lse else None)
         return Plan(run, cid, spec, launches, packed, ws_floats, counter, tuple(fn for fn, _ in functions), keep,
-                    ranges=any(name == "seqlens_k" for name, _ in spec.args))
+                    ranges=any(name == "seqlens_k" for name, _ in spec.args),
+                    varlen=any(name == "cu_seqlens_q" for name, _ in spec.args))
 
     def _encode_maps(self, spec: KernelSpec, q: Any, k: Any, v: Any, out_meta: Any
                      ) -> tuple[tuple[MapSlot, ...], dict[str, int], tuple[Any, ...]]:
