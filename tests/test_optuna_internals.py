@@ -150,6 +150,7 @@ def test_the_search_stops_with_one_line_under_an_unsupported_optuna(
     assert err == f"error: {internals.unsupported_reason(version)}\n" and f"optuna {version}" in err
     assert list(tmp_path.iterdir()) == []  # stopped before anything was written
     assert main(["demo", "--trials", "3", "--run-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == err and list(tmp_path.iterdir()) == []
 
 
 def test_the_search_runs_under_a_supported_optuna(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
