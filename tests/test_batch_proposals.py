@@ -9,6 +9,7 @@ import pytest
 from optuna.trial import TrialState
 
 from evoengineer.search import ReplayCandidates, ReplayEvaluator, RunDir, open_study, run_search
+from evoengineer.search import optuna_internals as internals
 from evoengineer.search.strategies import make_sampler, suggest_config
 from evoengineer.space import Config, load_space
 
@@ -137,7 +138,7 @@ def test_history_read_from_sqlite_incrementally_matches_a_full_read(tmp_path: Pa
         suggest_config(running, space)
         if round_ == 2:
             study.enqueue_trial(dict(replay.space().sample(1)[0]))
-        seen_now = incremental._read_rdb(study, study._storage._backend, None, False)
+        seen_now = incremental._read_rdb(study, internals.rdb_backend(study), None, False)
         full = HistoryReader(space.param_names)._read_trials(study, None, study.direction == StudyDirection.MAXIMIZE)
         assert _snapshot(seen_now) == _snapshot(full)
         assert len(seen_now.seen) >= 4 * (round_ + 1) + 1

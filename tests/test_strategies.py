@@ -15,6 +15,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
 from evoengineer.search import NOT_RECORDED, ReplayEvaluator, replay_trial, run_replay
+from evoengineer.search import optuna_internals as internals
 from evoengineer.search.strategies import (
     CLAIM_KEY,
     SAMPLERS,
@@ -124,7 +125,7 @@ class TestConformance:
             other.enqueue_trial(config.to_dict())
             other.ask()
         pending = other.ask()  # RUNNING, only another worker's claim (sampled, not yet suggested)
-        storage.set_trial_system_attr(pending._trial_id, CLAIM_KEY, {"config": taken[-1].to_dict()})
+        storage.set_trial_system_attr(internals.trial_id(pending), CLAIM_KEY, {"config": taken[-1].to_dict()})
 
         study = optuna.load_study(storage=storage, study_name="s", sampler=make_sampler(name, space, seed=0))
         got = [suggest_config(study.ask(), space) for _ in free]

@@ -35,6 +35,7 @@ from ..search import (
     study_problem,
 )
 from ..search.loop import writing
+from ..search.optuna_internals import unsupported_reason
 from ..space import STRATEGIES, Space
 from .common import (EXIT_FAILED, EXIT_OK, EXIT_USAGE, WIDE_HELP, UsageError, duration, load_space, number, require_gpu,
                      restrict_shapes, whole)
@@ -154,6 +155,9 @@ def _quiet_optuna(verbose: bool) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    unsupported = unsupported_reason()  # the search reaches under Optuna's API: stop before anything is written
+    if unsupported:
+        raise UsageError(unsupported)
     _quiet_optuna(args.verbose)
     replay_path = _replay_path(args.replay) if args.replay else None
     replay: ReplayEvaluator | None = None

@@ -33,8 +33,6 @@ PREFIX = "evoengineer:"
 _RETRIES = 8
 
 
-rdb_backend = internals.rdb_backend
-
 
 class Ledger:
     """Insert-if-absent entries of one study (see the module's docstring)."""

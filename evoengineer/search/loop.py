@@ -29,6 +29,7 @@ import sqlalchemy.exc
 from ..gpu import STATUSES, EvalResult
 from ..kernels import StaticReport, build_config_job
 from ..space import Config, Space, path_component
+from . import optuna_internals as internals
 from .ledger import Ledger
 from .strategies import make_sampler, suggest_config
 from .study import (
@@ -359,7 +360,7 @@ def recover_interrupted(study: optuna.Study, run: RunDir, space: Space) -> int:
         if frozen.user_attrs.get("run", run.name) != run.name:
             continue  # another search sharing the study is evaluating it
         config = _config_of(frozen, space)
-        trial = optuna.Trial(study, frozen._trial_id)
+        trial = optuna.Trial(study, internals.trial_id(frozen))
         record = recorded.get(config.key()) if config is not None else None
         try:
             if record:
@@ -371,7 +372,7 @@ def recover_interrupted(study: optuna.Study, run: RunDir, space: Space) -> int:
                 trial.set_user_attr("status", "interrupted")
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 crash_point("recover:failed")
-                requeue(study, study._storage.get_trial(frozen._trial_id))
+                requeue(study, internals.storage(study).get_trial(internals.trial_id(frozen)))
         except optuna.exceptions.UpdateFinishedTrialError:
             continue  # finished by another search meanwhile
         recovered += 1
@@ -517,23 +518,24 @@ class _Search:
     def _new_trial(self) -> int | None:
         """A queued trial (a retry, an enqueued configuration) if one is waiting, else a new
         one (created with this search's name in one transaction) unless the budget is full."""
-        storage = self.study._storage
+        storage = internals.storage(self.study)
         if self._maybe_queued or self.full:
             for waiting in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
+                waiting_id = internals.trial_id(waiting)
                 try:
-                    if not storage.set_trial_state_values(waiting._trial_id, state=optuna.trial.TrialState.RUNNING):
+                    if not storage.set_trial_state_values(waiting_id, state=optuna.trial.TrialState.RUNNING):
                         continue
                 except optuna.exceptions.UpdateFinishedTrialError:
                     continue
                 if not self.ledger.own_trial(waiting.number, self.name):
                     continue  # another search popped it at the same time (SQLite has no row locks)
-                storage.set_trial_user_attr(waiting._trial_id, "run", self.name)
-                return waiting._trial_id
+                storage.set_trial_user_attr(waiting_id, "run", self.name)
+                return waiting_id
             self._maybe_queued = False
         if self.full:
             return None
         template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, user_attrs={"run": self.name})
-        return storage.create_new_trial(self.study._study_id, template_trial=template)
+        return storage.create_new_trial(internals.study_id(self.study), template_trial=template)
 
     def _configure(self, trial: optuna.Trial, frozen: optuna.trial.FrozenTrial) -> Config:
         """The trial's configuration: its parameters (a retry), its enqueued values, or the
@@ -560,9 +562,9 @@ class _Search:
         if trial_id is None:
             return None
         trial = optuna.Trial(self.study, trial_id)
-        frozen = trial._cached_frozen_trial
+        frozen = internals.frozen_trial(trial)
         system = frozen.system_attrs
-        self.heartbeat.add(trial._trial_id)
+        self.heartbeat.add(trial_id)
         slot = None
         retried = system.get("retry_history") or []
         if retried:
@@ -590,20 +592,20 @@ class _Search:
                 pool.submit(build_config_job, (self.space.template, config, (variant,), self.arch, self.space.target.smem_per_block))
                 for variant in self.space.variants))
         candidate = _Candidate(trial, config, future, slot, time.perf_counter() - started)
-        self.in_flight[trial._trial_id] = candidate
+        self.in_flight[trial_id] = candidate
         return candidate
 
     def cancel(self, candidate: _Candidate) -> None:
         """Give back a candidate no lane started (out of time): its slot and its configuration."""
         if candidate.future is not None:
             candidate.future.cancel()
-        self.in_flight.pop(candidate.trial._trial_id, None)
+        self.in_flight.pop(internals.trial_id(candidate.trial), None)
         self.seen.discard(candidate.config.key())
         self.ledger.release_config(candidate.config.key())
         self._drop(candidate.trial, "cancelled", slot=candidate.slot)
 
     def _drop(self, trial: optuna.Trial, status: str, slot: int | None = None) -> None:
-        self.heartbeat.discard(trial._trial_id)
+        self.heartbeat.discard(internals.trial_id(trial))
         if slot is not None:
             self.ledger.release_slot(slot)
         try:
@@ -616,8 +618,8 @@ class _Search:
         False when another search took the trial for dead meanwhile: its retry counts."""
         started = time.perf_counter()
         trial = candidate.trial
-        self.in_flight.pop(trial._trial_id, None)
-        self.heartbeat.discard(trial._trial_id)
+        self.in_flight.pop(internals.trial_id(trial), None)
+        self.heartbeat.discard(internals.trial_id(trial))
         if report is not None:
             self.run.save_sources(report)
         if self.heartbeat.enabled and self.ledger.requeued(trial.number):
@@ -664,14 +666,14 @@ class _Search:
             return False
         if self.queued():
             return True
-        running = [t._trial_id for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-                   if t._trial_id not in self.in_flight]
+        running_trials = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        running = [i for i in map(internals.trial_id, running_trials) if i not in self.in_flight]
         if not running:
             return False
         beating = self.ledger.heartbeats(running)
         now, grace = time.monotonic(), GRACE_BEATS * interval
         silent = [i for i in running if i not in beating and now - self._first_seen.setdefault(i, now) > grace]
-        dead = set(silent) | set(self.study._storage._get_stale_trial_ids(self.study._study_id))
+        dead = set(silent) | set(internals.stale_trial_ids(self.study))
         if dead:
             requeue_stale(self.study, self.ledger, self.name, silent)
             self._maybe_queued = True

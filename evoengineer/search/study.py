@@ -21,6 +21,7 @@ import optuna
 import sqlalchemy
 import sqlalchemy.exc
 
+from . import optuna_internals as internals
 from .ledger import Ledger
 
 DEFAULT_HEARTBEAT_S = 10
@@ -78,19 +79,19 @@ def _tune_sqlite(storage: optuna.storages.RDBStorage) -> None:
 
 
 def heartbeat_enabled(study: optuna.Study) -> bool:
-    storage = study._storage
+    storage = internals.storage(study)
     return callable(getattr(storage, "get_heartbeat_interval", None)) and storage.get_heartbeat_interval() is not None
 
 
 def heartbeat_interval(study: optuna.Study) -> float | None:
-    return float(study._storage.get_heartbeat_interval()) if heartbeat_enabled(study) else None
+    return float(internals.storage(study).get_heartbeat_interval()) if heartbeat_enabled(study) else None
 
 
 class Heartbeat:
     """Records a heartbeat for each running trial of this search, from its own thread."""
 
     def __init__(self, study: optuna.Study) -> None:
-        self.storage = study._storage
+        self.storage = internals.storage(study)
         self.interval = heartbeat_interval(study)
         self._ids: set[int] = set()
         self._lock = threading.Lock()
@@ -139,7 +140,7 @@ def requeue(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
     """Queue a retry of a failed (dead) trial with its parameters; the retry records which
     trials it retries (``retry_history``), so it takes over their budget slot. A trial
     retried ``MAX_RETRIES`` times already gets no retry: its slot is freed instead."""
-    callback = getattr(study._storage, "get_heartbeat_stale_trial_callback", lambda: None)() or retry_callback()
+    callback = getattr(internals.storage(study), "get_heartbeat_stale_trial_callback", lambda: None)() or retry_callback()
     callback(study, copy.deepcopy(frozen))
     if not _retried(study, frozen.number):
         ledger = Ledger(study)
@@ -164,13 +165,14 @@ def finish_requeues(study: optuna.Study, ledger: Ledger, by: str) -> int:
         frozen = next((t for t in study.get_trials(deepcopy=False) if t.number == int(number)), None)
         if frozen is None:
             continue
+        storage, trial_id = internals.storage(study), internals.trial_id(frozen)
         if frozen.state == optuna.trial.TrialState.RUNNING:
             try:
-                study._storage.set_trial_user_attr(frozen._trial_id, "status", "interrupted")
-                study._storage.set_trial_state_values(frozen._trial_id, state=optuna.trial.TrialState.FAIL)
+                storage.set_trial_user_attr(trial_id, "status", "interrupted")
+                storage.set_trial_state_values(trial_id, state=optuna.trial.TrialState.FAIL)
             except optuna.exceptions.UpdateFinishedTrialError:
                 pass
-        frozen = study._storage.get_trial(frozen._trial_id)
+        frozen = storage.get_trial(trial_id)
         if frozen.state != optuna.trial.TrialState.FAIL or frozen.user_attrs.get("status") not in (None, "interrupted"):
             continue  # its search told it after all: its result holds the slot
         requeue(study, frozen)
@@ -259,9 +261,9 @@ def requeue_stale(study: optuna.Study, ledger: Ledger, by: str, silent: list[int
     search re-queued."""
     if not heartbeat_enabled(study):
         return 0
-    storage = study._storage
+    storage = internals.storage(study)
     done = 0
-    for trial_id in [*storage._get_stale_trial_ids(study._study_id), *silent]:
+    for trial_id in [*internals.stale_trial_ids(study), *silent]:
         frozen = storage.get_trial(trial_id)
         if frozen.state != optuna.trial.TrialState.RUNNING or not ledger.mark_requeued(frozen.number, by):
             continue  # finished, or another search is on it
@@ -283,16 +285,8 @@ def requeue_stale(study: optuna.Study, ledger: Ledger, by: str, silent: list[int
 
 
 def _batching(study: optuna.Study) -> optuna.storages.RDBStorage | None:
-    from .ledger import rdb_backend
-
-    rdb = rdb_backend(study)
+    rdb = internals.rdb_backend(study)
     return rdb if rdb is not None and hasattr(rdb, "scoped_session") and hasattr(rdb, "check_trial_is_updatable") else None
-
-
-def _transaction(rdb: optuna.storages.RDBStorage) -> Any:
-    from optuna.storages._rdb.storage import _create_scoped_session
-
-    return _create_scoped_session(rdb.scoped_session)
 
 
 def store_params(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any],
@@ -302,17 +296,17 @@ def store_params(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any
     rdb = _batching(study)
     if rdb is None:
         for name in params:
-            trial._suggest(name, distributions[name])
+            internals.suggest(trial, name, distributions[name])
         return
     from optuna.distributions import distribution_to_json
-    from optuna.storages._rdb import models
 
-    with _transaction(rdb) as session:
-        row = models.TrialModel.find_or_raise_by_id(trial._trial_id, session)
-        rdb.check_trial_is_updatable(trial._trial_id, row.state)
-        have = {p.param_name for p in session.query(models.TrialParamModel).filter(models.TrialParamModel.trial_id == trial._trial_id)}
+    models, trial_id = internals.trial_models(), internals.trial_id(trial)
+    with internals.transaction(rdb) as session:
+        row = models.TrialModel.find_or_raise_by_id(trial_id, session)
+        rdb.check_trial_is_updatable(trial_id, row.state)
+        have = {p.param_name for p in session.query(models.TrialParamModel).filter(models.TrialParamModel.trial_id == trial_id)}
         session.add_all([
-            models.TrialParamModel(trial_id=trial._trial_id, param_name=name, param_value=distributions[name].to_internal_repr(value),
+            models.TrialParamModel(trial_id=trial_id, param_name=name, param_value=distributions[name].to_internal_repr(value),
                                    distribution_json=distribution_to_json(distributions[name]))
             for name, value in params.items() if name not in have
         ])
@@ -334,20 +328,19 @@ def finish_trial(study: optuna.Study, trial: optuna.Trial, state: optuna.trial.T
     import json
     from datetime import datetime
 
-    from optuna.storages._rdb import models
-
+    models, trial_id = internals.trial_models(), internals.trial_id(trial)
     attr = models.TrialUserAttributeModel
-    with _transaction(rdb) as session:
-        row = models.TrialModel.find_or_raise_by_id(trial._trial_id, session, for_update=True)
-        rdb.check_trial_is_updatable(trial._trial_id, row.state)
-        have = {a.key: a for a in session.query(attr).filter(attr.trial_id == trial._trial_id)}
+    with internals.transaction(rdb) as session:
+        row = models.TrialModel.find_or_raise_by_id(trial_id, session, for_update=True)
+        rdb.check_trial_is_updatable(trial_id, row.state)
+        have = {a.key: a for a in session.query(attr).filter(attr.trial_id == trial_id)}
         for key, item in user_attrs.items():
             if key in have:
                 have[key].value_json = json.dumps(item)
             else:
-                session.add(attr(trial_id=trial._trial_id, key=key, value_json=json.dumps(item)))
+                session.add(attr(trial_id=trial_id, key=key, value_json=json.dumps(item)))
         if value is not None:
             stored, kind = models.TrialValueModel.value_to_stored_repr(value)
-            session.add(models.TrialValueModel(trial_id=trial._trial_id, objective=0, value=stored, value_type=kind))
+            session.add(models.TrialValueModel(trial_id=trial_id, objective=0, value=stored, value_type=kind))
         row.state = state
         row.datetime_complete = datetime.now()

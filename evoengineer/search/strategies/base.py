@@ -38,7 +38,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from ...space import Config, Space
 from .. import optuna_internals as internals
-from ..ledger import Ledger, rdb_backend
+from ..ledger import Ledger
 
 CLAIM_KEY = "evoengineer:proposal"
 """System attribute holding ``{"config": {...}, "origin": str, "parents": [key, ...]}``."""
@@ -131,7 +131,7 @@ class HistoryReader:
             self._study = ident
             self._reset()
         maximize = study.direction == StudyDirection.MAXIMIZE
-        rdb = rdb_backend(study)
+        rdb = internals.rdb_backend(study)
         if rdb is not None:
             return self._read_rdb(study, rdb, exclude, maximize)
         return self._read_trials(study, exclude, maximize)
@@ -144,7 +144,7 @@ class HistoryReader:
             if t.number == exclude:
                 continue
             n_trials += 1
-            if t._trial_id in self._known:
+            if internals.trial_id(t) in self._known:
                 continue
             if t.state.is_finished():
                 self._fold(t, maximize)
@@ -164,7 +164,7 @@ class HistoryReader:
         return history
 
     def _fold(self, t: FrozenTrial, maximize: bool) -> None:
-        self._fold_values(t._trial_id, t.number, t.state, t.value, trial_config(t, self.names, self.space), maximize)
+        self._fold_values(internals.trial_id(t), t.number, t.state, t.value, trial_config(t, self.names, self.space), maximize)
 
     def _fold_values(self, trial_id: int, number: int, state: TrialState, value: float | None,
                      config: Config | None, maximize: bool) -> None:
@@ -462,17 +462,17 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
 
     def proposal_for(self, trial: FrozenTrial | optuna.trial.BaseTrial) -> Proposal | None:
         """What this sampler proposed to ``trial`` (None for an enqueued or retried trial)."""
-        return self._proposals.get(trial._trial_id)
+        return self._proposals.get(internals.trial_id(trial))
 
     def sample_independent(
         self, study: Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
     ) -> Any:
-        proposal = self._proposals.get(trial._trial_id)
+        proposal = self._proposals.get(internals.trial_id(trial))
         config = proposal.config.canonical() if proposal is not None else None
         if config is not None and param_name in config:
             value = config[param_name]
             try:
-                if param_distribution._contains(param_distribution.to_internal_repr(value)):
+                if internals.distribution_contains(param_distribution, param_distribution.to_internal_repr(value)):
                     return value
             except (ValueError, TypeError):
                 pass
@@ -484,19 +484,19 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
 
     # -- internals ----------------------------------------------------------------------
     def _claim(self, study: Study, trial: FrozenTrial, proposal: Proposal) -> None:
-        study._storage.set_trial_system_attr(trial._trial_id, CLAIM_KEY, proposal.to_attr())
+        internals.storage(study).set_trial_system_attr(internals.trial_id(trial), CLAIM_KEY, proposal.to_attr())
 
     def _taken_meanwhile(self, study: Study, trial: FrozenTrial, config: Config, history: History) -> bool:
         """Whether another trial, new or pending since ``history`` was read, holds ``config``."""
-        trials = study._storage.get_all_trials(study._study_id, deepcopy=False)
+        trials = internals.storage(study).get_all_trials(internals.study_id(study), deepcopy=False)
         return any(
-            t._trial_id not in history.known
+            internals.trial_id(t) not in history.known
             and t.number != trial.number
             and trial_config(t, self._names, self.space) == config
             for t in trials
         )
 
     def _remember(self, trial: FrozenTrial, proposal: Proposal) -> None:
-        self._proposals[trial._trial_id] = proposal
+        self._proposals[internals.trial_id(trial)] = proposal
         while len(self._proposals) > 256:
             self._proposals.pop(next(iter(self._proposals)))

@@ -7,6 +7,7 @@ from optuna.study import Study
 from optuna.trial import FrozenTrial
 
 from ...space import Config, Space
+from .. import optuna_internals as internals
 from .base import History, Proposal, SpaceSampler
 
 
@@ -33,9 +34,10 @@ class GridSearchSampler(SpaceSampler):
 
     def propose(self, study: Study, trial: FrozenTrial, history: History) -> Proposal:
         order = self.order
-        start = self._start if self._study == (id(study._storage), study._study_id) else 0
+        ident = (id(internals.storage(study)), internals.study_id(study))
+        start = self._start if self._study == ident else 0
         for i in (*range(start, len(order)), *range(start)):  # wrap: a claim may have been withdrawn
             if order[i] not in history.seen:
-                self._study, self._start = (id(study._storage), study._study_id), i
+                self._study, self._start = ident, i
                 return Proposal(order[i], "grid")
         return Proposal(self.order[0], "repeat")
