@@ -53,34 +53,14 @@ def _inputs(shape: TrainShape, dtype: Any, seed: int) -> tuple[Any, Any, Any, An
 
 def backward_call(side: str, module: Any, q: Any, k: Any, v: Any, do: Any, causal: bool) -> Callable[[], Any]:
     """One backward of ``side`` on these inputs (its forward run once here, its state kept)."""
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from ..gpu.backward_jobs import sdpa_backward_op
 
     gqa = q.shape[1] != k.shape[1]
     if side == "evo":
         out, lse = module.attention_lse_op(q, k, v, causal, None, gqa, False)
         op = module.attention_backward_op
         return lambda: op(do, q, k, v, out, lse, causal, None, gqa, False)
-    if side == "fa4":
-        from flash_attn.cute import flash_attn_func
-
-        leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
-        grad = do.transpose(1, 2).contiguous()
-        result = flash_attn_func(*leaves, causal=causal)
-        out = result[0] if isinstance(result, tuple) else result
-    else:
-        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[side]
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        grad = do
-        # The forward on a side stream: autograd runs each backward op on its forward's stream,
-        # which may join a graph being captured; the legacy default stream may not.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(*leaves, is_causal=causal, **({"enable_gqa": True} if gqa else {}))
-        torch.cuda.current_stream().wait_stream(stream)
-    return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+    return sdpa_backward_op(side, q, k, v, do, causal, None)
 
 
 def time_backwards(module: Any, shape: TrainShape, dtype: Any, causal: bool, sides: Sequence[str], rounds: int,
