@@ -205,28 +205,31 @@ def sdpa_backward_op(backend: str, q: Any, k: Any, v: Any, do: Any, causal: bool
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if backend == "fa4":
+    chosen = {"flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION],
+              "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH]}.get(backend)
+    if backend == "fa4":  # flash-attn-4 takes (B, S, H, D)
         from flash_attn.cute import flash_attn_func
 
         leaves = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
         grad = do.transpose(1, 2).contiguous()
-        result = flash_attn_func(*leaves, softmax_scale=scale, causal=causal)
-        out = result[0] if isinstance(result, tuple) else result
-        return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
-    chosen = {"flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION],
-              "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH]}.get(backend)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    else:
+        leaves, grad = [t.detach().requires_grad_() for t in (q, k, v)], do
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    # autograd runs each backward op on its forward's stream, which may join a graph being
+    # captured; the legacy default stream may not
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        if chosen is None:
+        if backend == "fa4":
+            result = flash_attn_func(*leaves, softmax_scale=scale, causal=causal)
+            out = result[0] if isinstance(result, tuple) else result
+        elif chosen is None:
             out = F.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale, **gqa)
         else:
             with sdpa_kernel(chosen):
                 out = F.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale, **gqa)
     torch.cuda.current_stream().wait_stream(stream)
-    return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+    return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
 
 
 def sdpa_job(job: dict) -> dict:

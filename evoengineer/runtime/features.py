@@ -23,7 +23,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-import torch
 
 SWITCHES = ("seqlens", "softcap", "varlen", "window")
 """Features a kernel's compile-time switches add (kernel.json ``features``)."""
@@ -89,6 +88,8 @@ def call_features(window_size: Any = None, softcap: float | None = None, seqlens
 
 def check_ranges(q: Any, seqlens_k: Any, leftpad_k: Any) -> None:
     """ValueError (one line) unless each given range tensor is int32 (batch,) on q's device."""
+    import torch
+
     for name, t in (("seqlens_k", seqlens_k), ("leftpad_k", leftpad_k)):
         if t is None:
             continue
@@ -136,6 +137,8 @@ def allowed_keys(batch: int, seq_q: int, seq_k: int, causal: bool, features: Cal
     """The boolean mask (batch, 1, seq_q, seq_k) of the keys each query sees (True: attended);
     query i sits at key position i + ``offset`` for the causal mask and the window (0: top-left;
     ``seq_k - seq_q``: bottom-right, as flash-attn's varlen)."""
+    import torch
+
     i = torch.arange(seq_q, device=device).view(seq_q, 1) + offset
     j = torch.arange(seq_k, device=device).view(1, seq_k)
     allowed = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
@@ -178,6 +181,8 @@ def attend(q: Any, k: Any, v: Any, mask: Any, scale: float | None = None, softca
     """softmax(q k^T * scale (soft-capped) + mask) v by torch: ``mask`` boolean (True: attended)
     or additive, broadcast to (batch, heads, seq_q, seq_k); k, v may have fewer heads. Rows a
     boolean mask masks entirely give 0."""
+    import torch
+
     import torch.nn.functional as F
 
     k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
