@@ -61,6 +61,29 @@ SLOW_TESTS: dict[str, str] = {
     # seconds of simulated GPU time per device count, and rates that need idle cores
     "tests/test_search_cli.py::test_one_search_on_several_devices": "all",
     "tests/test_benchmarks_cpu.py::test_scaling_benchmark_on_simulated_devices": "all",
+    # end-to-end command sequences of 7 s or more each (several CLI processes, or many compiles); the
+    # fast suite keeps a shorter test of each behaviour (README's commands, resume, damage, export)
+    "tests/test_search_cli.py::test_demo_replays_the_shipped_recording_with_every_column_it_can_fill": "all",
+    "tests/test_search_cli.py::test_leaderboard_and_export_from_a_run": "all",
+    "tests/test_search_cli.py::test_search_adds_a_shape_the_space_does_not_list_and_resumes_with_it": "all",
+    "tests/test_search_cli.py::test_two_searches_share_one_study": "all",
+    "tests/test_markers.py::test_slow_tests_run_only_when_asked_for": "all",
+    "tests/test_run_damage.py::test_a_full_disk_stops_the_search_in_one_line_and_resume_finishes_the_budget": "all",
+    "tests/test_run_damage.py::test_leaderboard_and_export_say_when_results_and_study_disagree": "all",
+    "tests/test_run_damage.py::test_truncated_json_files_give_one_line": "first",
+    "tests/test_run_damage.py::test_a_record_of_the_wrong_schema_stops_resume_before_any_evaluation": "all",
+    "tests/test_tables.py::test_spaces_and_check_fit_80_columns": "all",
+    "tests/test_tables.py::test_search_runs_and_leaderboard_commands_fit_80_columns": "all",
+    "tests/test_postgres.py::test_four_workers_one_killed_share_a_postgres_study": "all",
+    "tests/test_resume.py::test_resume_refuses_a_missing_empty_or_foreign_study": "all",
+    "tests/test_export.py::test_cli_leaderboard_per_shape_and_export": "all",
+    "tests/test_check.py::test_a_spilling_kernel_is_reported_as_spilling": "all",
+    "tests/test_check.py::test_a_spilling_configuration_is_flagged_by_check": "all",
+    "tests/test_untrusted_space.py::test_error_messages_quote_at_most_a_few_hundred_characters": "all",
+    "tests/test_backward_cpu.py::test_lse_forward_compiles_without_spills": "all",
+    "tests/test_report.py::test_report_of_a_replayed_search": "all",
+    "tests/test_space.py::test_valid_configs_match_brute_force": "all",
+    "tests/test_strategy_benchmark.py::test_record_run_on_two_workers_times_each_configuration_once": "all",
 }
 """Tests that are slow as a whole (``"all"``), or whose parametrizations but the first are
 (``"first"``: the fast suite checks one kernel, the slow run every one), by node id without

@@ -15,15 +15,17 @@ def _collect(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_slow_tests_run_only_when_asked_for() -> None:
+    from conftest import SLOW_TESTS
+
+    slow = sorted(name.split("::")[1] for name in SLOW_TESTS if name.startswith("tests/test_search_cli.py::"))
     fast = _collect("tests/test_search_cli.py")
     assert fast.returncode == 0, fast.stdout + fast.stderr
-    assert "test_one_search_on_several_devices" not in fast.stdout and "test_demo_replays" in fast.stdout
-    assert "not run: 1 tests marked slow (--slow runs them too, -m slow only them)" in fast.stdout
+    assert not [name for name in slow if name in fast.stdout] and "test_search_without_gpu_points_to_check" in fast.stdout
+    assert f"not run: {len(slow)} tests marked slow (--slow runs them too, -m slow only them)" in fast.stdout
     only = _collect("tests/test_search_cli.py", "-m", "slow")
-    assert [line for line in only.stdout.splitlines() if "::" in line] == [
-        "tests/test_search_cli.py::test_one_search_on_several_devices"]
+    assert sorted(line.split("::")[1] for line in only.stdout.splitlines() if "::" in line) == slow
     both = _collect("tests/test_search_cli.py", "--slow")
-    assert "test_one_search_on_several_devices" in both.stdout and "test_demo_replays" in both.stdout
+    assert all(name in both.stdout for name in slow) and "test_search_without_gpu_points_to_check" in both.stdout
 
 
 def test_first_only_rules_keep_one_parametrization_in_the_fast_suite() -> None:

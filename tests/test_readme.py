@@ -138,7 +138,9 @@ def test_quick_start_installs_the_test_extra_and_install_names_its_packages() ->
 
 def test_the_tests_section_gives_the_default_command_and_registered_markers() -> None:
     lines = [line for lang, body in blocks(sections()["Tests"]) if not lang for line in shell_lines(body)]
-    assert lines[0] == "python3 -m pytest -q"
+    assert lines[0] == "python3 -m pytest -q -n auto" and lines[1] == "python3 -m pytest -q -n auto -m slow"
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert [line for line in lines if line not in ci] == [], "CI (.ci/run) runs every command of the README's Tests"
     declared = {m.split(":")[0].strip() for m in pyproject()["tool"]["pytest"]["ini_options"].get("markers", [])}
     used = {word for line in lines for expr in re.findall(r"-m\s+(\"[^\"]+\"|\S+)", line.replace("python3 -m pytest", ""))
             for word in re.findall(r"\w+", expr) if word not in ("not", "and", "or")}
