@@ -84,6 +84,7 @@ SLOW_TESTS: dict[str, str] = {
     "tests/test_report.py::test_report_of_a_replayed_search": "all",
     "tests/test_space.py::test_valid_configs_match_brute_force": "all",
     "tests/test_strategy_benchmark.py::test_record_run_on_two_workers_times_each_configuration_once": "all",
+    "tests/test_backward_space.py::test_a_backward_search_replays_on_two_devices_and_resumes_as_a_forward_one": "first",
 }
 """Tests that are slow as a whole (``"all"``), or whose parametrizations but the first are
 (``"first"``: the fast suite checks one kernel, the slow run every one), by node id without

@@ -148,3 +148,32 @@ def test_export_of_a_backward_run_alone_or_with_no_backward_stops_in_one_line(tm
     assert done.returncode == 0, done.stderr
     info = json.loads((tmp_path / "both" / "kernel.json").read_text())["backward"]
     assert sum(v["measured_cases"] for v in info["variants"]) == 3
+
+
+@pytest.mark.parametrize("strategy", ["evo", "tpe"])
+def test_a_backward_search_replays_on_two_devices_and_resumes_as_a_forward_one(tmp_path: Path, strategy: str) -> None:
+    """A backward space runs the same strategies, storage, replay and devices: 24 evaluations an
+    H200 recorded (``tests/data/h200_backward_d64.jsonl``), replayed on two simulated devices."""
+    recording = Path(__file__).parent / "data" / "h200_backward_d64.jsonl"
+    run = tmp_path / "run"
+    args = ["search", "--space", "h100-backward", "--shape", "4,16,2048,64", "--replay", str(recording), "--strategy",
+            strategy, "--trials", "8", "--devices", "0,1", "--run-dir", str(run), "--quiet"]
+    done = subprocess.run([sys.executable, "-m", "evoengineer", *args], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + done.stdout
+    resumed = subprocess.run([sys.executable, "-m", "evoengineer", "search", "--space", "h100-backward", "--replay",
+                              str(recording), "--run-dir", str(run), "--resume", "--trials", "12", "--quiet"],
+                             capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    results = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
+    assert len(results) == 12 and len({r["key"] for r in results}) == 12
+    recorded = {json.loads(line).get("key") for line in recording.read_text().splitlines()}
+    ok = [r for r in results if r["status"] == "ok"]
+    assert ok and {r["key"] for r in ok} <= recorded     # what the recording lacks is a status, never a time
+    board = json.loads((run / "leaderboard.json").read_text())
+    assert board["entries"] and all(Config(e["config"]).short_label().startswith("bwd") for e in board["entries"])
+    table = subprocess.run([sys.executable, "-m", "evoengineer", "leaderboard", str(run)], capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path)
+    rows = [line for line in table.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert table.returncode == 0 and rows and all(" bwd" in row for row in rows), table.stderr + table.stdout
+    assert "SDPA cudnn" in table.stdout, table.stdout   # the recording's fastest SDPA backward per case

@@ -35,19 +35,7 @@ def check_inputs(coverage: Coverage, q: Any, k: Any, v: Any, is_causal: bool, sc
             raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"attention: {name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"attention: q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    dtype = DTYPE_NAMES.get(q.dtype)
-    if dtype not in coverage.dtypes:
-        listed = ", ".join(str(TORCH_DTYPES[d]) for d in coverage.dtypes)
-        raise UncoveredDtype(f"attention: dtype {q.dtype} has no exported kernel; this module covers {listed}")
-    head_dim = int(q.shape[-1])
-    if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
-        raise ValueError(f"attention: q, k and v must have one head_dim, got q {head_dim}, k {k.shape[-1]}, v {v.shape[-1]}")
-    variant = (dtype, head_dim, bool(is_causal))
-    if variant not in coverage.variant_gqa:
-        raise Uncovered(f"attention: no exported kernel for {dtype} head_dim {head_dim}"
-                         f"{' causal' if is_causal else ''}; this module covers {coverage.covered()}")
+    variant = check_variant(coverage, q, k, v, is_causal, "attention")
     if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"attention: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
                          "(one batch; k and v of one shape)")
@@ -72,6 +60,25 @@ def check_inputs(coverage: Coverage, q: Any, k: Any, v: Any, is_causal: bool, sc
         raise ValueError(f"attention: q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.device.type not in ("cuda", "meta"):  # meta tensors: the outputs' shapes only (fake implementations)
         raise Uncovered(f"attention: q, k and v must be CUDA tensors, got device {q.device}")
+
+
+def check_variant(coverage: Coverage, q: Any, k: Any, v: Any, is_causal: bool, who: str) -> Variant:
+    """The call's (dtype, head_dim, causal) variant; TypeError or ValueError (``<who>: ...``, one line)
+    where q, k and v differ in dtype or head dim, ``Uncovered`` where no kernel takes the variant."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{who}: q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    dtype = DTYPE_NAMES.get(q.dtype)
+    if dtype not in coverage.dtypes:
+        listed = ", ".join(str(TORCH_DTYPES[d]) for d in coverage.dtypes)
+        raise UncoveredDtype(f"{who}: dtype {q.dtype} has no exported kernel; this module covers {listed}")
+    head_dim = int(q.shape[-1])
+    if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        raise ValueError(f"{who}: q, k and v must have one head_dim, got q {head_dim}, k {k.shape[-1]}, v {v.shape[-1]}")
+    variant = (dtype, head_dim, bool(is_causal))
+    if variant not in coverage.variant_gqa:
+        raise Uncovered(f"{who}: no exported kernel for {dtype} head_dim {head_dim}"
+                        f"{' causal' if is_causal else ''}; this module covers {coverage.covered()}")
+    return variant
 
 
 def check_grad(backward: BackwardData | None, dtype: str, head_dim: int, causal: bool, who: str = "attention") -> None:

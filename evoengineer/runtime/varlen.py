@@ -31,8 +31,8 @@ from typing import Any, Callable
 
 import torch
 
-from .checks import DTYPE_NAMES, TORCH_DTYPES, Coverage
-from .features import CallFeatures, FallbackCounts, Uncovered, UncoveredDtype, allowed_keys, attend, call_features
+from .checks import DTYPE_NAMES, Coverage, check_variant
+from .features import CallFeatures, FallbackCounts, Uncovered, allowed_keys, attend, call_features
 from .features import check_fallback, select_kernel
 from .launch import ALIGNMENT_ERROR, MAX_GRID_ROWS, MAX_PLANS, Launcher, Plan
 
@@ -77,19 +77,7 @@ def check_varlen(coverage: Coverage, q: Any, k: Any, v: Any, cu_seqlens_q: Any, 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{WHO}: {name} must be 3-D (total_tokens, heads, head_dim), got shape {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{WHO}: q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    dtype = DTYPE_NAMES.get(q.dtype)
-    if dtype not in coverage.dtypes:
-        listed = ", ".join(str(TORCH_DTYPES[d]) for d in coverage.dtypes)
-        raise UncoveredDtype(f"{WHO}: dtype {q.dtype} has no exported kernel; this module covers {listed}")
-    head_dim = int(q.shape[-1])
-    if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
-        raise ValueError(f"{WHO}: q, k and v must have one head_dim, got q {head_dim}, k {k.shape[-1]}, v {v.shape[-1]}")
-    variant = (dtype, head_dim, bool(is_causal))
-    if variant not in coverage.variant_gqa:
-        raise Uncovered(f"{WHO}: no exported kernel for {dtype} head_dim {head_dim}{' causal' if is_causal else ''}; "
-                        f"this module covers {coverage.covered()}")
+    variant = check_variant(coverage, q, k, v, is_causal, WHO)
     if k.shape != v.shape:
         raise ValueError(f"{WHO}: k and v must have one shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
     heads, heads_kv = q.shape[1], k.shape[1]
