@@ -123,6 +123,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             left_out.setdefault("gpu", []).append(item)
         else:
             keep.append(item)
+            if item.get_closest_marker("timing") and _shared_gpu_workers() > 1:
+                item.add_marker(pytest.mark.skip(reason="measures GPU time: run alone (pytest -m timing), not beside "
+                                                        f"{_shared_gpu_workers() - 1} other test processes (-n)"))
             if item.get_closest_marker("sm90") and CAPABILITY is not None and CAPABILITY[0] != 9:
                 item.add_marker(pytest.mark.skip(reason=f"needs an sm_90 GPU (H100, H200); this one is "
                                                         f"sm_{CAPABILITY[0]}{CAPABILITY[1]}"))
@@ -130,6 +133,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=[i for group in left_out.values() for i in group])
         items[:] = keep
     config.stash[_LEFT_OUT] = {name: len(group) for name, group in left_out.items()}
+
+
+def _shared_gpu_workers() -> int:
+    """How many test processes share the GPU (pytest-xdist's workers; 1 without it)."""
+    import os
+
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
 
 
 _LEFT_OUT = pytest.StashKey[dict]()

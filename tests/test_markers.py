@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -42,3 +44,20 @@ def test_gpu_tests_are_left_out_with_one_line_where_there_is_no_gpu() -> None:
         pytest.skip("this machine has a GPU: the GPU tests run")
     out = _collect("tests/gpu/test_gate.py")
     assert "::" not in out.stdout and "tests need a CUDA GPU, none here" in out.stdout
+
+
+@pytest.mark.timing
+def test_timing_probe() -> None:
+    """What ``test_timing_tests_skip_where_test_processes_share_the_gpu`` runs."""
+
+
+def test_timing_tests_skip_where_test_processes_share_the_gpu() -> None:
+    import os
+
+    probe = "tests/test_markers.py::test_timing_probe"
+    for workers, outcome in (("1", "1 passed"), ("3", "1 skipped")):
+        env = {**os.environ, "PYTEST_XDIST_WORKER_COUNT": workers}
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", probe],
+                              capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+        assert outcome in done.stdout, done.stdout + done.stderr
+    assert "run alone (pytest -m timing), not beside 2 other test processes" in done.stdout

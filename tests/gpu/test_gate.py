@@ -149,6 +149,7 @@ def test_illegal_address_and_hang_are_survived() -> None:
 # -- timing ------------------------------------------------------------------------------
 
 
+@pytest.mark.timing
 def test_timing_one_kernel_twice_agrees_within_3_percent() -> None:
     import torch
 
@@ -173,6 +174,7 @@ def test_timing_one_kernel_twice_agrees_within_3_percent() -> None:
     assert case.flops() / (first.median_us * 1e-6) / 1e12 > 50  # a real FlashAttention rate, not launch overhead
 
 
+@pytest.mark.timing
 def test_adaptive_repetitions_stop_early_and_agree_with_all_of_them() -> None:
     import torch
 
@@ -204,6 +206,7 @@ def test_adaptive_repetitions_stop_early_and_agree_with_all_of_them() -> None:
         raise AssertionError(f"early stop outside its brackets in every attempt (before, early, after): {attempts}")
 
 
+@pytest.mark.timing
 def test_a_candidate_far_behind_the_best_stops_at_five_samples() -> None:
     import torch
 
@@ -222,6 +225,7 @@ def test_a_candidate_far_behind_the_best_stops_at_five_samples() -> None:
     assert not kept.raced and kept.repetitions >= 20, kept
 
 
+@pytest.mark.timing
 def test_graph_time_of_sdpa_agrees_with_profiler_within_10_percent() -> None:
     import torch
 
