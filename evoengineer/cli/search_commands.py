@@ -257,7 +257,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             if args.resume and (run.path / "baseline.json").exists():
                 baseline = json.loads((run.path / "baseline.json").read_text())
             else:
-                with console.status("timing SDPA's backends on every shape"):
+                with console.status("timing SDPA's backends" + ("' backward" if space.backward else "") + " on every shape"):
                     baseline = evaluators[0].baseline()
                 run.write_json("baseline.json", baseline)
         elif baseline:
