@@ -3,9 +3,11 @@
     python benchmarks/scaling.py --space h100 --trials 160                    # 1, 2, 4 GPUs (those present)
     python benchmarks/scaling.py --space h100 --trials 160 --processes        # also: one process per GPU, one study
     python benchmarks/scaling.py --space spaces/x.yaml --replay rec.jsonl --replay-delay 0.5 --gpus 1,2,4   # no GPU
+    python benchmarks/scaling.py --gpus 1,4 --processes --devices-per-process 2 --storage postgresql+psycopg://...
 
-Each row is one `evoengineer search` (``--devices 0,..,N-1``; with ``--processes`` also N
-searches with ``--device i`` sharing one SQLite study), each with a fresh run directory
+Each row is one `evoengineer search` (``--devices 0,..,N-1``; with ``--processes`` also N / K
+searches of K devices each, ``--devices-per-process K``, sharing one study in ``--storage`` or a
+SQLite file: several hosts as one host simulates them), each with a fresh run directory
 and compile cache. The search loop's own time (run.json's summary) gives evaluations per
 minute; the process time (workers' start, SDPA baseline) is shown besides. Duplicates are
 configurations recorded more than once; the split is the evaluations per GPU.
@@ -58,7 +60,7 @@ def _finish(procs: list[subprocess.Popen], runs: list[Path], started: float, mod
     split: Counter[str] = Counter()
     for i, s in enumerate(summaries):
         for device, n in s.get("per_device", {str(i): s["evaluated"]}).items():
-            split[device if len(summaries) == 1 else str(i)] += n
+            split[device if len(summaries) == 1 else f"{i}.{device}"] += n
     evaluated = sum(s["evaluated"] for s in summaries)
     loop_s = max(s["elapsed_s"] for s in summaries)
     busy = [s.get("gpu_busy_share") for s in summaries if s.get("gpu_busy_share") is not None]
@@ -80,7 +82,12 @@ def main() -> None:
     ap.add_argument("--strategy", default="evo")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gpus", default="1,2,4", help="GPU counts to run (default 1,2,4; those above the GPUs present are skipped)")
-    ap.add_argument("--processes", action="store_true", help="also run N searches (one per GPU) sharing one SQLite study")
+    ap.add_argument("--processes", action="store_true", help="also run N searches (one per GPU) sharing one study")
+    ap.add_argument("--devices-per-process", type=int, default=1, metavar="K",
+                    help="with --processes: N / K searches of K GPUs each (default 1), e.g. 2 on 4 GPUs: two of two")
+    ap.add_argument("--storage", metavar="URL",
+                    help="with --processes: the shared study's storage, e.g. postgresql+psycopg://user@host/db "
+                         "(default: a SQLite file per row); each row gets its own study in it")
     ap.add_argument("--replay", help="replay a recording instead of using GPUs (simulated devices)")
     ap.add_argument("--replay-delay", type=float, default=0.5, help="seconds per replayed evaluation (default 0.5)")
     ap.add_argument("--out", help="keep the run directories here (default: a temporary directory)")
@@ -100,13 +107,16 @@ def main() -> None:
         started = time.perf_counter()
         proc = _search(args, run, ["--devices", devices, "--quiet"], root / f"cache-devices-{n}")
         rows.append(_finish([proc], [run], started, "--devices", n))
-        if args.processes and n > 1:
-            storage = f"sqlite:///{root / f'shared-{n}.db'}"
-            runs = [root / f"process-{n}-{i}" for i in range(n)]
+        per = args.devices_per_process
+        if args.processes and n > per and n % per == 0:
+            storage = args.storage or f"sqlite:///{root / f'shared-{n}.db'}"
+            groups = [",".join(str(d) for d in range(i * per, (i + 1) * per)) for i in range(n // per)]
+            runs = [root / f"process-{n}-{i}" for i in range(len(groups))]
+            study = f"scaling-{n}-{os.getpid()}-{int(time.time())}"
             started = time.perf_counter()
-            procs = [_search(args, r, ["--device", str(i), "--storage", storage, "--study", f"scaling-{n}", "--quiet"],
-                             root / f"cache-process-{n}") for i, r in enumerate(runs)]
-            rows.append(_finish(procs, runs, started, "processes", n))
+            procs = [_search(args, r, ["--devices", group, "--storage", storage, "--study", study, "--quiet"],
+                             root / f"cache-process-{n}") for r, group in zip(runs, groups)]
+            rows.append(_finish(procs, runs, started, f"{len(groups)}x{per}", n))
     base = next((r["evaluations_per_minute"] for r in rows if r["gpus"] == 1), None)
     for r in rows:
         r["speedup"] = round(r["evaluations_per_minute"] / base, 2) if base and r["evaluations_per_minute"] else None

@@ -22,16 +22,16 @@ def _space(tmp_path: Path) -> Path:
 def test_scaling_benchmark_on_simulated_devices(tmp_path: Path) -> None:
     space = _space(tmp_path)
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "scaling.py"), "--space", str(space), "--replay", str(RECORDING),
-                           "--replay-delay", "0.25", "--trials", "12", "--gpus", "1,2", "--processes", "--out", str(tmp_path / "runs"),
-                           "--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                           "--replay-delay", "0.25", "--trials", "24", "--gpus", "1,4", "--processes", "--devices-per-process",
+                           "2", "--out", str(tmp_path / "runs"), "--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)["rows"]
-    assert [(r["mode"], r["gpus"]) for r in rows] == [("--devices", 1), ("--devices", 2), ("processes", 2)]
+    assert [(r["mode"], r["gpus"]) for r in rows] == [("--devices", 1), ("--devices", 4), ("2x2", 4)]
     for r in rows:
-        assert r["evaluations"] == 12 and r["duplicates"] == 0 and sum(r["split"].values()) == 12
+        assert r["evaluations"] == 24 and r["duplicates"] == 0 and sum(r["split"].values()) == 24
         assert len(r["split"]) == r["gpus"]
         assert 240 <= r["phases_ms_per_evaluation"]["timing"] < 400   # each replayed evaluation sleeps 0.25 s
-    assert rows[1]["speedup"] > 1.5
+    assert rows[1]["speedup"] > 2.5 and rows[2]["speedup"] > 2.0   # two searches of two devices on one study
 
 
 def test_overhead_benchmark(tmp_path: Path) -> None:
