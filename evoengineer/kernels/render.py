@@ -41,7 +41,7 @@ import jinja2
 
 from .. import paths
 from ..resources import template_names, templates_dir
-from ..runtime.grid import counter_words, grid
+from ..runtime.kernel_file import LaunchSpec
 from ..space import Config, Variant
 
 KERNEL_ARGS = (
@@ -69,35 +69,9 @@ sequences' offsets (int32 pointers, batch + 1 each; null: the dense layout), the
 (``runtime.features``)."""
 
 
-@dataclass(frozen=True)
-class Launch:
-    kernel: str
-    block: tuple[int, int, int]
-    smem: int
-    rows_per_cta: int
-    grid_z: int = 1
-    persistent: bool = False
-    pack_gqa: bool = False
-    tile_counter: bool = False
-    split_tail: tuple[int, int] | None = None
-    """(counter words, floats) per CTA of a tile-counter kernel that cuts its last tiles over
-    every CTA (``"split_tail"``), else None."""
-
-    def counter_words(self, batch: int, heads: int, seq_q: int, sms: int) -> tuple[int, int]:
-        """(32-bit words of WS, how many of them are zeroed first) for a tile-counter launch on
-        ``sms`` multiprocessors (``runtime.grid.counter_words``)."""
-        return counter_words(self, batch, heads, seq_q, sms)
-
-    def grid(self, batch: int, heads: int, seq_q: int, sms: int | None = None,
-             heads_kv: int | None = None) -> tuple[int, int, int]:
-        """The launch grid (``runtime.grid.grid``); a persistent kernel gets at most ``sms`` CTAs
-        (every work tile its own CTA when ``sms`` is None: correct, only not persistent); a packed
-        one a grid row per (batch, K/V head) (``heads_kv``: K/V heads, ``heads`` when None)."""
-        return grid(self, batch, heads, heads_kv or heads, seq_q, sms)
-
-    @property
-    def threads(self) -> int:
-        return self.block[0] * self.block[1] * self.block[2]
+Launch = LaunchSpec
+"""One launch of a rendered kernel, as its ``// LAUNCH`` line declares it: the runtime's
+``kernel_file.LaunchSpec`` (grid, workspace words, threads), one class for both."""
 
 
 TENSOR_MAP_PARAM = "const __grid_constant__ CUtensorMap"

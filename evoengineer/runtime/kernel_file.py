@@ -19,6 +19,7 @@ from .dispatch import MeasuredCase, Variant, VariantTable
 from .features import POINTER_ARGS as FEATURE_POINTERS
 from .features import SCALAR_ARGS as FEATURE_SCALARS
 from .features import kernel_switches
+from .grid import counter_words, grid
 
 SCHEMA = "evoengineer-attention-export/2"
 """The ``schema`` of the kernel.json this runtime reads; an export writes it."""
@@ -76,6 +77,22 @@ class LaunchSpec:
     split_tail: tuple[int, int] | None = None
     """(counter words, floats) per CTA of a tile-counter kernel that cuts its last tiles over
     every CTA, else None."""
+
+    def counter_words(self, batch: int, heads: int, seq_q: int, sms: int) -> tuple[int, int]:
+        """(32-bit words of WS, how many of them are zeroed first) for a tile-counter launch on
+        ``sms`` multiprocessors (``grid.counter_words``)."""
+        return counter_words(self, batch, heads, seq_q, sms)
+
+    def grid(self, batch: int, heads: int, seq_q: int, sms: int | None = None,
+             heads_kv: int | None = None) -> tuple[int, int, int]:
+        """The launch grid (``grid.grid``); a persistent kernel gets at most ``sms`` CTAs (every
+        work tile its own CTA when ``sms`` is None: correct, only not persistent); a packed one a
+        grid row per (batch, K/V head) (``heads_kv``: K/V heads, ``heads`` when None)."""
+        return grid(self, batch, heads, heads_kv or heads, seq_q, sms)
+
+    @property
+    def threads(self) -> int:
+        return self.block[0] * self.block[1] * self.block[2]
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kernel": self.kernel, "block": list(self.block), "smem": self.smem,
