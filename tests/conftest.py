@@ -85,6 +85,8 @@ SLOW_TESTS: dict[str, str] = {
     "tests/test_space.py::test_valid_configs_match_brute_force": "all",
     "tests/test_strategy_benchmark.py::test_record_run_on_two_workers_times_each_configuration_once": "all",
     "tests/test_backward_space.py::test_a_backward_search_replays_on_two_devices_and_resumes_as_a_forward_one": "first",
+    # three NVRTC compiles and disassemblies of a scalar kernel (about 18 s on two busy cores)
+    "tests/test_sass_sample.py::test_a_comment_leaves_the_sass_identical_and_a_code_change_does_not": "all",
 }
 """Tests that are slow as a whole (``"all"``), or whose parametrizations but the first are
 (``"first"``: the fast suite checks one kernel, the slow run every one), by node id without

@@ -2,9 +2,10 @@
 
 For every listed seed of every built-in space (the scalar, wmma and mma ones at each of the
 space's dtypes and head dims, full and causal; the h100 space's wgmma ones at D64 causal and
-D128 full), the kernel is rendered from the base revision's templates (``git show``) and from
+D128 full), the kernel is rendered from the base revision's templates (``git archive``) and from
 the working tree's, both are compiled by NVRTC for sm_90a and their SASS (``nvdisasm``) is
-compared. The scalar, wmma and mma kernels must be identical. The wgmma template was split by
+compared (``evoengineer.kernels.sass``; ``benchmarks/sass_sample.py`` does the same over a
+stratified sample of a space). The scalar, wmma and mma kernels must be identical. The wgmma template was split by
 role since the base revision, and ptxas orders its kernels' instructions and names their
 registers differently: there the test asks for the same launches and a compile on both sides
 and reports the SASS differences (tests/test_tma.py checks spills and asynchronous wgmma; their
@@ -17,19 +18,15 @@ to a path to get the comparison as JSON.
 """
 from __future__ import annotations
 
-import collections
 import json
 import os
 import random
-import re
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from evoengineer.kernels import RenderError, compile_many, render
+from evoengineer.kernels import sass
 from evoengineer.resources import builtin_spaces
 from evoengineer.space import Config, Variant, load_space
 
@@ -43,36 +40,6 @@ REMOVED = {"CROSS_TILE": 0, "LAZY_RESCALE": 0, "EXP2_FMA": 0, "P_SMEM": 0, "Q_ST
 defaults: what the working tree does), besides PINGPONG 2."""
 
 pytestmark = pytest.mark.slow
-
-
-def nvdisasm() -> str | None:
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    return next((str(c) for root in map(Path, nvidia.__path__) for c in root.glob("*/bin/nvdisasm")), None)
-
-
-def base_templates(revision: str, into: Path) -> Path | None:
-    """The revision's ``templates/`` written to ``into`` (None without git or that revision)."""
-    try:
-        names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:templates"], cwd=REPO,
-                               capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if names.returncode != 0 or not names.stdout.strip():
-        return None
-    into.mkdir(parents=True, exist_ok=True)
-    for name in names.stdout.split():
-        if name.endswith(".j2"):
-            shown = subprocess.run(["git", "show", f"{revision}:templates/{name}"], cwd=REPO, capture_output=True, timeout=60)
-            if shown.returncode != 0:
-                return None
-            (into / name).write_bytes(shown.stdout)
-    return into
 
 
 @dataclass(frozen=True)
@@ -117,77 +84,25 @@ def cases() -> list[Case]:
     return out
 
 
-def _render(config: Config, variant: Variant, directory: Path | None):
-    try:
-        return render("flash_attention", config, variant, directory=directory)
-    except RenderError as exc:
-        return str(exc).split(": ", 1)[-1]
-
-
-def _opcodes(sass: str) -> collections.Counter:
-    return collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
-
-
-def difference(old_sass: str, new_sass: str, old_regs: int, new_regs: int) -> str:
-    """What differs between two kernels' SASS, in a line: registers, instructions, opcodes."""
-    a, b = _opcodes(old_sass), _opcodes(new_sass)
-    moved = {op: b[op] - a[op] for op in set(a) | set(b) if a[op] != b[op]}
-    parts = [f"registers {old_regs} -> {new_regs}" if old_regs != new_regs else f"registers {new_regs}",
-             f"instructions {sum(a.values())} -> {sum(b.values())}"]
-    if moved:
-        parts.append("opcodes " + ", ".join(f"{op} {n:+d}" for op, n in sorted(moved.items())[:12]))
-    else:
-        parts.append("same opcodes, another order or other operands")
-    return "; ".join(parts)
-
-
 def compare(all_cases: list[Case], base: Path, tool: str) -> dict[str, list]:
-    """Each case as identical (same source or same SASS), refused alike, or different (with why)."""
+    """Each case as identical (same source or same SASS), refused alike, or different (with why):
+    ``evoengineer.kernels.sass.compare``, a broken comparison counted as different."""
+    workers = int(os.environ.get("EVOENGINEER_SASS_WORKERS", "2"))
+    compared = sass.compare([(c.config, c.variant) for c in all_cases], base, None, ARCH, tool, workers=workers)
     result: dict[str, list] = {"identical": [], "refused": [], "different": []}
-    pending: list[tuple[Case, object, object]] = []
-    for case in all_cases:
-        old, new = _render(case.config, case.variant, base), _render(case.config, case.variant, None)
-        if isinstance(old, str) or isinstance(new, str):
-            if isinstance(old, str) and isinstance(new, str):
-                result["refused"].append(case.label)
-            else:
-                result["different"].append((case.label, f"render: base {old if isinstance(old, str) else 'ok'}, "
-                                                         f"now {new if isinstance(new, str) else 'ok'}"))
-            continue
-        if (old.launches, old.tensor_maps, old.workspace_floats_per_row) != (new.launches, new.tensor_maps, new.workspace_floats_per_row):
-            result["different"].append((case.label, f"launch: base {old.launches} {old.tensor_maps}, now {new.launches} {new.tensor_maps}"))
-            continue
-        if old.source == new.source:
-            result["identical"].append(case.label)
-            continue
-        pending.append((case, old, new))
-    sources = list(dict.fromkeys(s for _, old, new in pending for s in (old.source, new.source)))
-    compiled = dict(zip(sources, compile_many(sources, ARCH, workers=int(os.environ.get("EVOENGINEER_SASS_WORKERS", "2")))))
-    sass: dict[str, str] = {}
-
-    def disassemble(source: str) -> str:
-        if source not in sass:
-            done = compiled[source]
-            sass[source] = subprocess.run([tool, done.cubin_path], capture_output=True, text=True, timeout=300).stdout if done.ok \
-                else f"compile error: {done.error}"
-        return sass[source]
-
-    for case, old, new in pending:
-        a, b = disassemble(old.source), disassemble(new.source)
-        if a == b:
-            result["identical"].append(case.label)
+    for case, done in zip(all_cases, compared, strict=True):
+        if done.verdict in ("identical", "refused"):
+            result[done.verdict].append(case.label)
         else:
-            why = difference(a, b, compiled[old.source].registers, compiled[new.source].registers) \
-                if compiled[old.source].ok and compiled[new.source].ok else f"base: {a[:200]}; now: {b[:200]}"
-            result["different"].append((case.label, why))
+            result["different"].append((case.label, done.why))
     return result
 
 
 def test_every_seed_and_a_sample_of_wgmma_configurations_compile_to_the_base_revisions_sass(tmp_path: Path) -> None:
-    tool = nvdisasm()
+    tool = sass.nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    base = base_templates(BASE_REVISION, tmp_path / "base")
+    base = sass.revision_templates(BASE_REVISION, tmp_path / "base", REPO)
     if base is None:
         pytest.skip(f"git history without revision {BASE_REVISION}")
     all_cases = cases()
@@ -199,5 +114,5 @@ def test_every_seed_and_a_sample_of_wgmma_configurations_compile_to_the_base_rev
     assert len(result["identical"]) + len(result["refused"]) + len(result["different"]) == len(all_cases)
     wgmma = {c.label for c in all_cases if c.config["PATH"] == "wgmma"}
     broken = [(label, why) for label, why in result["different"]
-              if label not in wgmma or why.startswith(("render", "launch", "base:"))]
+              if label not in wgmma or why.startswith(("render", "launch", "compile"))]
     assert not broken, "\n".join(f"{label}: {why}" for label, why in broken)
