@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 from evoengineer.gpu import EDGE_SEQS, gate_cases
 from evoengineer.gpu.evaluate import EDGE_GQA, check_output
 from evoengineer.kernels import KERNEL_ARGS, RenderError, compile_many, render
+from evoengineer.kernels.sass import nvdisasm
 from evoengineer.space import DEFAULT_TOLERANCES, Case, Config, SpaceError, Variant, load_space
 
 REPO = Path(__file__).resolve().parent.parent
@@ -313,19 +313,6 @@ def _compiled_cases() -> list:
         pytest.param(i, "sm_89", id=f"{build_id(BUILDS[i])}-sm_89") for i in (0, 4, 7)]
 
 
-def _nvdisasm() -> str | None:
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    try:
-        import nvidia
-
-        for root in map(Path, nvidia.__path__):
-            for candidate in root.glob("*/bin/nvdisasm"):
-                return str(candidate)
-    except ImportError:
-        pass
-    return None
 
 
 @pytest.mark.parametrize("index, arch", _compiled_cases())
@@ -349,7 +336,7 @@ def test_bf16_costs_no_more_registers_than_fp16(index: int, compiled: dict) -> N
 @pytest.mark.parametrize("index", [3, 4, 7, 8, 11], ids=lambda i: build_id(BUILDS[i]))
 def test_bf16_tensor_core_paths_run_bf16_hmma(index: int, compiled: dict) -> None:
     """The SASS of a bf16 tensor-core kernel holds bf16 HMMAs and no fp16 ones (needs nvdisasm)."""
-    tool = _nvdisasm()
+    tool = nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     for arch in ("sm_80", "sm_90"):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from evoengineer.gpu.tensormap import (
 )
 from evoengineer.kernels import KERNEL_ARGS, RenderError, TensorMapArg, compile_source, from_source, render
 from evoengineer.kernels.render import parameter_kinds
+from evoengineer.kernels.sass import nvdisasm
 from evoengineer.results import ExportError, export_runs, kernel_args
 from evoengineer.space import Config, Variant, load_space
 
@@ -39,13 +39,6 @@ PERSISTENT = SEED.replace(PERSISTENT=1)
 WGMMA = paths.get("wgmma")
 
 
-def _nvdisasm() -> str | None:
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    import nvidia
-
-    return next((str(c) for root in map(Path, nvidia.__path__) for c in root.glob("*/bin/nvdisasm")), None)
 
 
 # -- templates ---------------------------------------------------------------------------------
@@ -96,7 +89,7 @@ def test_tma_configurations_compile_for_sm_90a_without_spills(config: Config, he
     assert compiled.spill_bytes == 0 and compiled.stack_bytes == 0, compiled.kernels
     # registers at launch: the CTA's share (setmaxnreg moves them between warpgroups)
     assert compiled.registers <= 65536 // rendered.launches[0].threads
-    tool = _nvdisasm()
+    tool = nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
@@ -160,7 +153,7 @@ def test_overlap_2_runs_the_exponentials_while_p_v_is_in_flight(config: Config, 
     if config == PERSISTENT and head_dim == 64:  # strict: passes again once the template gets the 48th back
         request.applymarker(pytest.mark.xfail(strict=True, reason="the template split by role leaves 47 of 48 "
                                               "exponentials under P V here (docs/performance.md, the split)"))
-    tool = _nvdisasm()
+    tool = nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     compiled = compile_source(render("flash_attention", config.replace(INTRA_WG_OVERLAP=2), Variant(head_dim, causal)).source, "sm_90a")
@@ -365,7 +358,7 @@ def test_softmax_pin_keeps_the_softmax_before_the_wait_for_p_v(config: Config, h
     ptxas moves that last wait above every exponential; SOFTMAX_PIN=1 (a store of the row sums
     before it) keeps all of the tile's exponentials (BLOCK_N / 2 per thread, and the two rescales)
     between the two waits."""
-    tool = _nvdisasm()
+    tool = nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     under = {}
@@ -390,7 +383,7 @@ def test_softmax_pin_2_and_3_keep_the_row_maximum_and_half_the_exponentials_befo
     """Without a pin ptxas waits for P V after a few of the row maximum's FMNMX. SOFTMAX_PIN=2 (a
     store of the two rescale factors) keeps the whole maximum (BLOCK_N / 2 scores a thread) before
     that wait; 3 (row g's sum and row g + 8's factor) keeps half the exponentials there as well."""
-    tool = _nvdisasm()
+    tool = nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     maxima, exponentials = {}, {}
@@ -428,7 +421,7 @@ def test_o_tma_stores_o_through_shared_memory_by_a_fourth_map(config: Config) ->
     """O_TMA=1 declares tm_o over the output (box 64 x 64, after tm_q, tm_k, tm_v, as the kernel takes
     them), adds the O buffer to the shared memory, and the SASS stores O with UTMASTG from shared
     memory (STS) instead of STG.E from registers."""
-    tool = _nvdisasm()
+    tool = nvdisasm()
     stores = {}
     for o_tma in (0, 1):
         rendered = render("flash_attention", config.replace(O_TMA=o_tma), Variant(128, False))
@@ -467,7 +460,7 @@ def test_a_tile_counter_kernel_declares_its_counter_and_takes_tiles_by_atomics(c
     compiled = compile_source(rendered.source, "sm_90a")
     assert compiled.ok and compiled.spill_bytes == 0 and not compiled.wgmma_serialized, compiled.kernels
     assert config["REG_PRODUCER"] == 24
-    tool = _nvdisasm()
+    tool = nvdisasm()
     if tool is not None:
         sass = subprocess.run([tool, compiled.cubin_path], capture_output=True, text=True, timeout=120).stdout
         assert re.search(r"\bATOMG?\.E\.ADD", sass) or re.search(r"\bATOMG\b", sass), "no global atomic in the SASS"
@@ -550,7 +543,7 @@ def test_q_in_regs_feeds_q_k_from_registers_and_reads_k_alone_from_shared_memory
     """Q_IN_REGS=1: every Q K^T wgmma takes A (Q) from registers and B (K) K-major from shared memory,
     so the SASS has no wgmma with both operands in shared memory; Q is read once per work tile, a
     32-bit load per register (D / 4 a thread); nothing spills or serializes."""
-    tool = _nvdisasm()
+    tool = nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     counts = {}
