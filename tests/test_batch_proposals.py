@@ -142,3 +142,132 @@ def test_history_read_from_sqlite_incrementally_matches_a_full_read(tmp_path: Pa
         full = HistoryReader(space.param_names)._read_trials(study, None, study.direction == StudyDirection.MAXIMIZE)
         assert _snapshot(seen_now) == _snapshot(full)
         assert len(seen_now.seen) >= 4 * (round_ + 1) + 1
+
+
+def test_a_proposal_reads_only_the_trials_new_since_the_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On SQLite, each proposal decodes the configurations of the trials finished or started
+    since the last one (not the history), and the model's rows come from the tally of those."""
+    from evoengineer.search.strategies.evo import EvoSampler
+
+    replay = ReplayEvaluator(SMALL)
+    space = replay.space()
+    sampler = make_sampler("evo", space, seed=5)
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", sampler=sampler)
+    full_reads: list[int] = []
+    from_history = EvoSampler._rows_from_history
+    monkeypatch.setattr(EvoSampler, "_rows_from_history", lambda self, h: full_reads.append(1) or from_history(self, h))
+    decoded: list[int] = []
+    for _ in range(150):
+        before = sampler._reader.decoded
+        _batch_round(study, space, replay, 1)
+        decoded.append(sampler._reader.decoded - before)
+    assert max(decoded) <= 1  # the trial told last, nothing older
+    assert not full_reads  # the rows were never rebuilt from the whole history
+    log = sampler._reader._log
+    assert len(log) == 150 - 1 and sampler._tally.cursor == len(log)  # each finished trial tallied once
+
+
+def test_the_tally_gives_the_rows_of_the_whole_history(tmp_path: Path) -> None:
+    replay = ReplayEvaluator(SMALL)
+    space = replay.space()
+    sampler = make_sampler("evo", space, seed=6)
+    sampler.batch_size = 4
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", sampler=sampler)
+    for round_ in range(8):
+        _batch_round(study, space, replay, 4)
+        running = study.ask()  # under way: a pending row
+        suggest_config(running, space)
+        history = sampler.history(study)
+        history.seen.add(sampler.valid[round_])  # as a batch's earlier proposal
+        tallied, whole = sampler._rows_from_log(history), sampler._rows_from_history(history)
+        assert tallied is not None
+        for field in ("ok", "complete", "failed", "free"):
+            assert getattr(tallied, field).tolist() == getattr(whole, field).tolist(), field
+        assert sorted(tallied.pending.tolist()) == sorted(whole.pending.tolist())
+        assert tallied.values == whole.values
+
+
+def test_a_won_claim_writes_the_trials_attribute_in_the_same_transaction(tmp_path: Path) -> None:
+    from evoengineer.search.ledger import Ledger
+    from evoengineer.search.strategies import CLAIM_KEY
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}")
+    first, second = study.ask(), study.ask()
+    ledger = Ledger(study)
+    attr = {"config": {"A": 1}, "origin": "child", "parents": []}
+    assert ledger.claim_config_for("abc", first.number, internals.trial_id(first), CLAIM_KEY, attr) == (True, True)
+    assert ledger.claim_config_for("abc", second.number, internals.trial_id(second), CLAIM_KEY, attr) == (False, False)
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    assert trials[first.number].system_attrs[CLAIM_KEY] == attr
+    assert CLAIM_KEY not in trials[second.number].system_attrs
+    assert ledger.get("config:abc") == {"trial": first.number}
+    # a trial that holds the attribute already: the claim alone, the attribute left as it was
+    internals.storage(study).set_trial_system_attr(internals.trial_id(second), CLAIM_KEY, {"config": {}})
+    assert ledger.claim_config_for("xyz", second.number, internals.trial_id(second), CLAIM_KEY, attr) == (True, False)
+    assert study.get_trials(deepcopy=False)[second.number].system_attrs[CLAIM_KEY] == {"config": {}}
+
+
+def test_incremental_read_with_another_study_in_the_storage_matches_a_full_read(tmp_path: Path) -> None:
+    """Another study's trials leave gaps in this study's trial ids (many ranges of folded ids)."""
+    from optuna.study import StudyDirection
+
+    from evoengineer.search.strategies import HistoryReader
+
+    replay = ReplayEvaluator(SMALL)
+    space = replay.space()
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    ours = optuna.create_study(study_name="ours", storage=url, sampler=make_sampler("random", space, seed=1))
+    theirs = optuna.create_study(study_name="theirs", storage=url, sampler=make_sampler("random", space, seed=2))
+    incremental = HistoryReader(space.param_names)
+    for round_ in range(40):
+        _batch_round(ours, space, replay, 1)
+        _batch_round(theirs, space, replay, 1 + round_ % 2)
+        if round_ % 5 == 0:
+            suggest_config(ours.ask(), space)  # left running
+        now = incremental._read_rdb(ours, internals.rdb_backend(ours), None, False)
+        full = HistoryReader(space.param_names)._read_trials(ours, None, ours.direction == StudyDirection.MAXIMIZE)
+        assert _snapshot(now) == _snapshot(full)
+
+
+def test_beyond_its_points_the_process_searches_its_hyperparameters_every_few_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from evoengineer.search.strategies import evo
+
+    replay = ReplayEvaluator(SMALL)
+    space = replay.space()
+    sampler = make_sampler("evo", space, seed=7)
+    sampler.gp.max_points = 12
+    study = optuna.create_study(sampler=sampler)
+    fits: list[tuple[int, bool]] = []
+    fit = sampler.gp.fit
+
+    def spy(ok, objectives, pending=None, keep_hyperparameters: bool = False):
+        fits.append((len(ok) + (len(pending) if pending is not None else 0), not keep_hyperparameters))
+        return fit(ok, objectives, pending, keep_hyperparameters=keep_hyperparameters)
+
+    monkeypatch.setattr(sampler.gp, "fit", spy)
+    for _ in range(80):
+        _batch_round(study, space, replay, 1)
+    small = [searched for points, searched in fits if points <= 12]
+    large = [searched for points, searched in fits if points > 12]
+    assert small and all(small)  # every fit searched while the points fit
+    assert len(large) >= 2 * evo.SEARCH_EVERY
+    assert 1 <= sum(large) <= len(large) // evo.SEARCH_EVERY + 1
+
+
+def test_the_scan_of_a_large_space_scores_a_bounded_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    from evoengineer.search.strategies import evo
+
+    replay = ReplayEvaluator(SMALL)
+    space = replay.space()
+    sampler = make_sampler("evo", space, seed=8)
+    study = optuna.create_study(sampler=sampler)
+    for _ in range(15):
+        _batch_round(study, space, replay, 1)
+    monkeypatch.setattr(evo, "SCAN_LIMIT", 16)
+    scored: list[int] = []
+    score = sampler._score
+    monkeypatch.setattr(sampler, "_score", lambda rows, history: scored.append(len(rows)) or score(rows, history))
+    history = sampler.history(study)
+    proposal = sampler.best_unseen(history)
+    assert scored == [16]
+    assert sampler.is_new(proposal.config, history) and proposal.origin == "model"

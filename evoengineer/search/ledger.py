@@ -33,6 +33,10 @@ PREFIX = "evoengineer:"
 _RETRIES = 8
 
 
+class _Taken(Exception):
+    """Another holder has the entry (raised inside a transaction, which is then rolled back)."""
+
+
 
 class Ledger:
     """Insert-if-absent entries of one study (see the module's docstring)."""
@@ -167,6 +171,31 @@ class Ledger:
     # -- configurations and trials ----------------------------------------------------
     def claim_config(self, key: str, trial_number: int) -> bool:
         return self.insert(f"config:{key}", {"trial": trial_number})
+
+    def claim_config_for(self, key: str, trial_number: int, trial_id: int, attr: str, value: Any) -> tuple[bool, bool]:
+        """``claim_config``, and on an RDB storage the trial's system attribute ``attr`` (which it
+        must not hold yet) written in the same transaction: one commit for both. Returns whether
+        the claim was won and whether the attribute was written with it."""
+        if self._rdb is None:
+            return self.claim_config(key, trial_number), False
+        entry_model, attribute_model = internals.study_attribute_model(), internals.trial_models().TrialSystemAttributeModel
+        entry, attribute = json.dumps({"trial": trial_number}), json.dumps(value)
+
+        def add(session: Any) -> None:
+            session.add(entry_model(study_id=self._study_id, key=f"{PREFIX}config:{key}", value_json=entry))
+            try:
+                session.flush()
+            except sqlalchemy.exc.IntegrityError:
+                raise _Taken from None
+            session.add(attribute_model(trial_id=trial_id, key=attr, value_json=attribute))
+
+        try:
+            self._session(add)
+        except _Taken:
+            return False, False
+        except sqlalchemy.exc.IntegrityError:  # the trial held the attribute after all: the claim alone
+            return self.claim_config(key, trial_number), False
+        return True, True
 
     def release_config(self, key: str) -> None:
         self.delete(f"config:{key}")

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import optuna
+import sqlalchemy
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.study import Study, StudyDirection
 from optuna.trial import FrozenTrial, TrialState
@@ -73,10 +74,27 @@ class History:
     failed: list[Config] = field(default_factory=list)
     n_trials: int = 0
     known: set[int] = field(default_factory=set)  # ids of finished trials already read
+    log: "list[Folded] | None" = None
+    """The reader's finished trials in the order it folded them in (its own list, only ever
+    appended to: a strategy that keeps state per trial reads ``log[its cursor:logged]``)."""
+    logged: int = 0
+    """How many entries of ``log`` this history holds."""
+    maximize: bool = False
+    """The study's direction (``complete`` is best first)."""
 
     def best(self, n: int) -> list[tuple[Config, float]]:
         """The ``n`` best completed configurations, best first (``complete`` is kept sorted)."""
         return self.complete[:n]
+
+
+@dataclass(frozen=True)
+class Folded:
+    """A finished trial as a history reader folded it in."""
+
+    config: Config
+    state: TrialState
+    value: float | None
+    number: int
 
 
 def trial_config(trial: FrozenTrial, names: Sequence[str], space: Space | None = None) -> Config | None:
@@ -104,33 +122,55 @@ class HistoryReader:
     """Reads a study's history incrementally: finished trials, which no longer change, are
     folded in once; pending trials (running, waiting) are read again on every call.
 
-    On an RDB storage a read asks only for the trials from the oldest one still pending on
-    (their id, number and state), then the configurations and values of those finished since
-    and of the pending ones, in three small queries: its cost follows the trials under way,
-    not the history (Optuna's own read loads every pending trial whole, attributes and all).
+    With ``intern`` (a mapping of every valid configuration to itself), the configurations it
+    reads are the space's own objects, so that sets and dicts of them match by identity.
+
+    On an RDB storage a read asks, in one query, for the trials from the oldest one still
+    pending on that it has not folded in (those it has are left out by ranges of ids), with
+    their first objective and their parameters; the enqueued values and claims of the ones
+    without every parameter take a second. Its cost follows the trials finished since the last
+    read and those under way, not the history (Optuna's own read loads every pending trial
+    whole, attributes and all).
     """
 
     def __init__(self, names: Sequence[str], space: Space | None = None) -> None:
         self.names = tuple(names)
         self.space = space
+        self.intern: dict[Config, Config] | None = None
+        self.decoded = 0
+        """Configurations of trials decoded so far: the finished ones once, pending ones per read."""
         self._study: tuple[int, int] | None = None
         self._reset()
 
     def _reset(self) -> None:
         self._low = 0  # every trial of a lower id is finished and folded in
-        self._below = 0  # how many trials have an id below ``_low``
+        self._newest = -1  # the highest trial id read
         self._known: set[int] = set()
+        self._recent: set[int] = set()  # those of ``_known`` from ``_low`` on (the RDB read leaves them out)
+        self._decoders: dict[str, BaseDistribution] = {}
         self._seen: set[Config] = set()
         self._complete: list[tuple[Config, float]] = []
         self._order: list[tuple[float, int]] = []
         self._failed: list[Config] = []
+        self._log: list[Folded] = []  # a new list after a reset: a strategy's cursor into the old one is void
+        self._maximize = False
+
+    def _interned(self, config: Config | None) -> Config | None:
+        if config is None or self.intern is None:
+            return config
+        return self.intern.get(config, config)
+
+    def _history(self, n_trials: int) -> History:
+        return History(seen=set(self._seen), complete=list(self._complete), failed=list(self._failed),
+                       n_trials=n_trials, known=set(self._known), log=self._log, logged=len(self._log),
+                       maximize=self._maximize)
 
     def read(self, study: Study, exclude: int | None = None) -> History:
         ident = (id(internals.storage(study)), internals.study_id(study))
         if ident != self._study:
             self._study = ident
             self._reset()
-        maximize = study.direction == StudyDirection.MAXIMIZE
+        maximize = self._maximize = study.direction == StudyDirection.MAXIMIZE
         rdb = internals.rdb_backend(study)
         if rdb is not None:
             return self._read_rdb(study, rdb, exclude, maximize)
@@ -150,15 +190,9 @@ class HistoryReader:
                 self._fold(t, maximize)
             else:
                 pending.append(t)
-        history = History(
-            seen=set(self._seen),
-            complete=list(self._complete),
-            failed=list(self._failed),
-            n_trials=n_trials,
-            known=set(self._known),
-        )
+        history = self._history(n_trials)
         for t in pending:
-            config = trial_config(t, self.names, self.space)
+            config = self._interned(trial_config(t, self.names, self.space))
             if config is not None:
                 history.seen.add(config)
         return history
@@ -169,8 +203,10 @@ class HistoryReader:
     def _fold_values(self, trial_id: int, number: int, state: TrialState, value: float | None,
                      config: Config | None, maximize: bool) -> None:
         self._known.add(trial_id)
+        config = self._interned(config)
         if config is None:
             return
+        self._log.append(Folded(config, state, value, number))
         self._seen.add(config)
         if state == TrialState.COMPLETE and value is not None:
             key = (-value if maximize else value, number)
@@ -181,70 +217,105 @@ class HistoryReader:
             self._failed.append(config)
 
     def _read_rdb(self, study: Study, rdb: optuna.storages.RDBStorage, exclude: int | None, maximize: bool) -> History:
-        models = internals.trial_models()
-        trial_model = models.TrialModel
-        session = internals.session(rdb)
-        try:
-            rows = session.query(trial_model.trial_id, trial_model.number, trial_model.state).filter(
-                trial_model.study_id == internals.study_id(study), trial_model.trial_id >= self._low).all()
-            fresh = [r for r in rows if r.state.is_finished() and r.trial_id not in self._known]
-            pending = [r for r in rows if not r.state.is_finished() and r.number != exclude]
-            configs = self._configs(session, [r.trial_id for r in fresh + pending])
-            complete = [r.trial_id for r in fresh if r.state == TrialState.COMPLETE]
-            values: dict[int, float] = {}
-            if complete:
-                value_model = models.TrialValueModel
-                for trial_id, value, kind in session.query(value_model.trial_id, value_model.value, value_model.value_type).filter(
-                        value_model.trial_id.in_(complete), value_model.objective == 0):
-                    values[trial_id] = value_model.stored_repr_to_value(value, kind)
-            session.commit()
-        finally:
-            session.close()
-        for r in sorted(fresh, key=lambda r: r.number):
-            self._fold_values(r.trial_id, r.number, r.state, values.get(r.trial_id), configs.get(r.trial_id), maximize)
-        # the watermark stays _ID_MARGIN ids behind the newest trial: a trial another process
-        # created (its id taken) but had not committed yet is still read once it has
-        newest = max((r.trial_id for r in rows), default=self._low - 1)
-        low = min([r.trial_id for r in rows if not r.state.is_finished()] + [newest + 1 - _ID_MARGIN])
-        excluded = sum(1 for r in rows if r.number == exclude)
-        n_trials = self._below + len(rows) - excluded
-        self._below += sum(1 for r in rows if r.trial_id < low)
-        self._low = max(self._low, low)
-        history = History(seen=set(self._seen), complete=list(self._complete), failed=list(self._failed),
-                          n_trials=n_trials, known=set(self._known))
-        history.seen.update(c for c in (configs.get(r.trial_id) for r in pending) if c is not None)
-        return history
-
-    def _configs(self, session: Any, trial_ids: list[int]) -> dict[int, Config]:
-        """The configurations of trials ``trial_ids``: their parameters, else their enqueued
-        values, else a sampler's claim (as ``trial_config``)."""
-        if not trial_ids:
-            return {}
         from optuna.distributions import json_to_distribution
 
         models = internals.trial_models()
-        param_model, attr_model = models.TrialParamModel, models.TrialSystemAttributeModel
-        values: dict[int, dict[str, Any]] = {i: {} for i in trial_ids}
-        decoders: dict[str, BaseDistribution] = {}
-        for trial_id, name, value, dist in session.query(param_model.trial_id, param_model.param_name, param_model.param_value,
-                                                         param_model.distribution_json).filter(param_model.trial_id.in_(trial_ids)):
-            if dist not in decoders:
-                decoders[dist] = json_to_distribution(dist)
-            values[trial_id][name] = decoders[dist].to_external_repr(value)
+        trial_model, value_model, param_model = models.TrialModel, models.TrialValueModel, models.TrialParamModel
+        session = internals.session(rdb)
+        try:  # the trials from the watermark on not folded in yet, their first objective and parameters: one query
+            query = session.query(trial_model.trial_id, trial_model.number, trial_model.state, value_model.value,
+                                  value_model.value_type, param_model.param_name, param_model.param_value,
+                                  param_model.distribution_json).outerjoin(
+                value_model, (value_model.trial_id == trial_model.trial_id) & (value_model.objective == 0)).outerjoin(
+                param_model, param_model.trial_id == trial_model.trial_id).filter(
+                trial_model.study_id == internals.study_id(study), trial_model.trial_id >= self._low)
+            runs = _runs(sorted(self._recent))
+            if runs:  # those folded in already are left out by ranges of ids
+                query = query.filter(~sqlalchemy.or_(*(trial_model.trial_id.between(a, b) for a, b in runs)))
+            trials: dict[int, _TrialRow] = {}
+            for r in query.all():
+                if r.trial_id in self._known:
+                    continue
+                row = trials.get(r.trial_id)
+                if row is None:
+                    value = value_model.stored_repr_to_value(r.value, r.value_type) if r.value_type is not None else None
+                    row = trials[r.trial_id] = _TrialRow(r.trial_id, r.number, r.state, value, {})
+                if r.param_name is not None:
+                    decoder = self._decoders.get(r.distribution_json)
+                    if decoder is None:
+                        decoder = self._decoders[r.distribution_json] = json_to_distribution(r.distribution_json)
+                    row.params[r.param_name] = decoder.to_external_repr(r.param_value)
+            fresh = [t for t in trials.values() if t.state.is_finished()]
+            pending = [t for t in trials.values() if not t.state.is_finished()]
+            configs = self._configs(session, fresh + [t for t in pending if t.number != exclude])
+            session.commit()
+        finally:
+            session.close()
+        for t in sorted(fresh, key=lambda t: t.number):
+            self._fold_values(t.trial_id, t.number, t.state, t.value if t.state == TrialState.COMPLETE else None,
+                              configs.get(t.trial_id), maximize)
+            self._recent.add(t.trial_id)
+        # the watermark stays _ID_MARGIN ids behind the newest trial: a trial another process
+        # created (its id taken) but had not committed yet is still read once it has
+        self._newest = max([self._newest, *trials])
+        self._low = max(self._low, min([t.trial_id for t in pending] + [self._newest + 1 - _ID_MARGIN]))
+        self._recent = {i for i in self._recent if i >= self._low}
+        excluded = sum(1 for t in trials.values() if t.number == exclude)
+        history = self._history(len(self._known) + len(pending) - excluded)
+        history.seen.update(c for c in (self._interned(configs.get(t.trial_id)) for t in pending if t.number != exclude)
+                            if c is not None)
+        return history
+
+    def _configs(self, session: Any, trials: "list[_TrialRow]") -> dict[int, Config]:
+        """The configurations of ``trials``: their parameters, else their enqueued values, else
+        a sampler's claim (as ``trial_config``; the attributes are read only for trials without
+        every parameter)."""
+        self.decoded += len(trials)
+        models = internals.trial_models()
+        attr_model = models.TrialSystemAttributeModel
         attrs: dict[int, dict[str, Any]] = {}
-        for trial_id, key, raw in session.query(attr_model.trial_id, attr_model.key, attr_model.value_json).filter(
-                attr_model.trial_id.in_(trial_ids), attr_model.key.in_(("fixed_params", CLAIM_KEY))):
-            attrs.setdefault(trial_id, {})[key] = json.loads(raw)
+        partial = [t.trial_id for t in trials if not all(n in t.params for n in self.names)]
+        if partial:
+            for trial_id, key, raw in session.query(attr_model.trial_id, attr_model.key, attr_model.value_json).filter(
+                    attr_model.trial_id.in_(partial), attr_model.key.in_(("fixed_params", CLAIM_KEY))):
+                attrs.setdefault(trial_id, {})[key] = json.loads(raw)
         out = {}
-        for trial_id in trial_ids:
-            claim = attrs.get(trial_id, {}).get(CLAIM_KEY)
-            for found in (values[trial_id], attrs.get(trial_id, {}).get("fixed_params"),
+        for t in trials:
+            claim = attrs.get(t.trial_id, {}).get(CLAIM_KEY)
+            for found in (t.params, attrs.get(t.trial_id, {}).get("fixed_params"),
                           claim.get("config") if isinstance(claim, dict) else None):
                 if isinstance(found, dict) and all(n in found for n in self.names):
                     picked = {n: found[n] for n in self.names}
-                    out[trial_id] = self.space.config(picked) if self.space is not None else Config(picked)
+                    out[t.trial_id] = self.space.config(picked) if self.space is not None else Config(picked)
                     break
         return out
+
+
+@dataclass
+class _TrialRow:
+    """A trial as the RDB read gets it: id, number, state, first objective, parameters."""
+
+    trial_id: int
+    number: int
+    state: TrialState
+    value: float | None
+    params: dict[str, Any]
+
+
+_MAX_RUNS = 32
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ``ids`` as ranges of consecutive ids, at most ``_MAX_RUNS`` (the longest)."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    if len(runs) > _MAX_RUNS:
+        runs = sorted(runs, key=lambda r: r[0] - r[1])[:_MAX_RUNS]
+    return runs
 
 
 class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
@@ -290,6 +361,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
             if not valid:
                 raise ValueError(f"space {self.space.name!r} has no valid configuration")
             self._valid, self._valid_set = valid, frozenset(valid)
+            self._reader.intern = {c: c for c in valid}  # the history's configurations are these objects
         return self._valid
 
     @property
@@ -318,6 +390,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         return history.seen.issuperset(self.valid_set)
 
     def history(self, study: Study, exclude: int | None = None) -> History:
+        self.valid  # noqa: B018 - the reader hands back the space's own configuration objects
         with self._reading:
             return self._reader.read(study, exclude)
 
@@ -431,6 +504,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         ledger = Ledger(study)
         history: History | None = None
         lost: set[Config] = set()
+        marked = False  # the claim attribute written with the ledger's claim
         for attempt in range(1, _CLAIM_TRIES + 1):
             # a waiting proposal needs no read of the study: the claim decides whether it is still free
             proposal = self._pop(lost) if ledger.atomic else None
@@ -441,7 +515,10 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
                 proposal = self._take(study, trial, history, rng)
             if proposal.origin == "repeat":
                 break
-            if ledger.atomic:
+            if ledger.atomic and CLAIM_KEY not in trial.system_attrs:
+                won, marked = ledger.claim_config_for(proposal.config.key(), trial.number, internals.trial_id(trial),
+                                                      CLAIM_KEY, proposal.to_attr())
+            elif ledger.atomic:
                 won = ledger.claim_config(proposal.config.key(), trial.number)
             else:  # a storage without compare-and-set: claim, then look for another holder
                 assert history is not None
@@ -455,7 +532,9 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
             rng = random.Random(f"{self._base_seed}:{trial.number}:{attempt}")
         else:  # every claim lost: nothing new could be had
             proposal = Proposal(proposal.config, "repeat")
-        self._claim(study, trial, proposal)
+            marked = False
+        if not marked:
+            self._claim(study, trial, proposal)
         self._remember(trial, proposal)
         values = proposal.config.canonical()  # a trial holds every parameter, a path's unused ones neutral
         return {n: values[n] for n in search_space if n in values}

@@ -15,7 +15,8 @@ configuration runs instead (the successes' share among the evaluated ones near i
 by the same kernel, with a uniform prior); it multiplies the expected improvement.
 
 Beyond ``max_points`` observations the process keeps the best half and the rest evenly over
-the ranking. numpy only: fitting 100 points and predicting 1000 takes ~5 ms, 200 points ~20 ms.
+the ranking. numpy only: on one slow core, fitting 200 points takes ~30 ms with the search
+of the grid, ~3 ms with the length scale and noise kept; predicting 100 configurations ~1 ms.
 """
 from __future__ import annotations
 
@@ -59,7 +60,14 @@ class Encoder:
 def matern52(d: np.ndarray) -> np.ndarray:
     """Matern 5/2 correlation at scaled distances ``d``."""
     s = _SQRT5 * d
-    return (1.0 + s + s * s / 3.0) * np.exp(-s)
+    out = np.negative(s)
+    np.exp(out, out=out)
+    poly = np.multiply(s, s)
+    poly /= 3.0
+    s += 1.0
+    s += poly  # (1 + s) + s^2/3, as written out
+    out *= s
+    return out
 
 
 def distances(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -93,8 +101,8 @@ class GaussianProcess:
         self.noise = self.noises[0]
         self.best = math.inf  # the lowest log objective observed
         self._x = np.zeros((0, 0))
-        self._alpha = np.zeros(0)
-        self._inv_chol: np.ndarray | None = None
+        self._chol: np.ndarray | None = None  # Cholesky factor of the training rows' correlations
+        self._w = np.zeros(0)  # its inverse times the standardised objectives
         self._mean, self._scale, self._var = 0.0, 1.0, 1.0
 
     def fit(self, ok: np.ndarray, objectives: Sequence[float], pending: np.ndarray | None = None,
@@ -116,7 +124,7 @@ class GaussianProcess:
             keep = np.concatenate([order[:half], rest])
             x, y = x[keep], y[keep]
         self._x = x
-        self._inv_chol = None
+        self._chol = None
         if not len(y):
             return self
         self._mean = float(y.mean())
@@ -137,22 +145,20 @@ class GaussianProcess:
                 var = max(float(w @ w) / n, 1e-12)
                 lml = -0.5 * n * math.log(var) - float(np.log(np.diag(chol)).sum())
                 if best is None or lml > best[0]:
-                    best = (lml, ls, noise, chol, var)
+                    best = (lml, ls, noise, chol, var, w)
         if best is None:
             return self
-        _, self.length_scale, self.noise, chol, self._var = best
-        self._inv_chol = np.linalg.inv(chol)
-        self._alpha = self._inv_chol.T @ (self._inv_chol @ z)
+        _, self.length_scale, self.noise, self._chol, self._var, self._w = best
         return self
 
     def predict(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Mean and standard deviation of the log objective at rows ``x``."""
-        if self._inv_chol is None:
+        if self._chol is None:
             return np.full(len(x), self._mean), np.full(len(x), self._scale)
         k = matern52(distances(x, self._x) / self.length_scale)
-        v = self._inv_chol @ k.T
+        v = np.linalg.solve(self._chol, k.T)  # L^-1 k: the mean is v.w, the variance 1 - v.v
         var = np.maximum(1.0 - (v * v).sum(0), 1e-12) * self._var
-        return self._mean + self._scale * (k @ self._alpha), self._scale * np.sqrt(var)
+        return self._mean + self._scale * (self._w @ v), self._scale * np.sqrt(var)
 
     def feasibility(self, x: np.ndarray, ok: np.ndarray, failed: np.ndarray) -> np.ndarray:
         """The chance that rows ``x`` run: the share of successes among the evaluated rows
