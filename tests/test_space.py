@@ -59,7 +59,7 @@ def test_unknown_name_lists_builtins(tmp_path: Path) -> None:
         (lambda d: d["search"].update(seeds=[{"PATH": "wmma", "BLOCK_M": 16, "WARPS": 8}]), "search.seeds[0]", "outside the space"),
         (lambda d: d["search"].update(strategy="evolution"), "search.strategy", "evo"),
         (lambda d: d["search"].update(time="ten minutes"), "search.time", "duration"),
-        (lambda d: d["problem"]["shapes"][0].update(D=96), "problem.shapes[0].D", "head dim"),
+        (lambda d: d["problem"]["shapes"][0].update(D=72), "problem.shapes[0].D", "head dim"),
         (lambda d: d["tolerances"].update(atol=-1), "tolerances.atol", "positive"),
         (lambda d: d.setdefault("timing", {}).update(precision=-0.01), "timing.precision", ">= 0"),
         (lambda d: d.setdefault("timing", {}).update(min_time_ms=20), "timing.min_time_ms", "unknown key"),

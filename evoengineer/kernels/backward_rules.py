@@ -51,7 +51,7 @@ def problems(config: Config, head_dim: int) -> list[str]:
     missing = [name for name in rules.PARAMS if v.get(name) is None]
     if missing:
         return [f"{name}: missing" for name in missing]
-    scope = {**v, "MIN_HEAD_DIM": head_dim, "MAX_HEAD_DIM": head_dim, "SMEM_LIMIT": math.inf}
+    scope = {**v, "HEAD_DIMS": (head_dim,), "MIN_HEAD_DIM": head_dim, "MAX_HEAD_DIM": head_dim, "SMEM_LIMIT": math.inf}
     out = []
     for rule in rules.RULES:
         try:

@@ -76,9 +76,14 @@ def label_path(values: Mapping[str, Any]) -> KernelPath | None:
     return PATHS.get(str(values.get("PATH")))
 
 
+def head_dims(template: str = FORWARD_TEMPLATE) -> tuple[int, ...]:
+    """Head dims some path of ``template`` holds (a space's shapes may use only these)."""
+    return tuple(sorted({d for path in of_template(template).values() for d in path.head_dims}))
+
+
 def is_backward(template: str) -> bool:
     """Whether ``template`` is the backward pass's (its objective: the backward's device time)."""
     return template == BACKWARD_TEMPLATE
 
 
-__all__ = ["BACKWARD_TEMPLATE", "FORWARD_TEMPLATE", "NEUTRAL", "PATHS", "TEMPLATE_PATHS", "is_backward", "label_path", "of_template", "SCOPE_FUNCTIONS", "KernelPath", "Rule", "Scope", "get", "path_of"]
+__all__ = ["BACKWARD_TEMPLATE", "FORWARD_TEMPLATE", "NEUTRAL", "PATHS", "TEMPLATE_PATHS", "is_backward", "label_path", "of_template", "SCOPE_FUNCTIONS", "KernelPath", "Rule", "Scope", "get", "head_dims", "path_of"]

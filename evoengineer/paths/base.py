@@ -1,7 +1,7 @@
 """What every kernel path declares: its parameters, its rules, its budgets and its label.
 
 A *scope* is one configuration's parameter values together with the space's environment names
-(``SMEM_LIMIT``, ``MAX_HEAD_DIM``, ``MIN_HEAD_DIM``, ``ARCH_NAME``, ...), as a constraint sees
+(``SMEM_LIMIT``, ``HEAD_DIMS``, ``MAX_HEAD_DIM``, ``MIN_HEAD_DIM``, ``ARCH_NAME``, ...), as a constraint sees
 them. Rules read a scope; budgets take a configuration and a head dim.
 """
 from __future__ import annotations
@@ -51,6 +51,8 @@ class KernelPath:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     """What the template takes for a parameter of ``params`` a configuration leaves out (a space
     need not list every parameter of a path); rules and budgets see these where a value is absent."""
+    head_dims: tuple[int, ...] = (64, 128)
+    """Head dims the template holds (its ``head-dims`` rule refuses a space with any other)."""
     label: Callable[[dict[str, Any]], None] | None = None
     """Rewrites a configuration's values, in place, into the path's short-label tokens (pops what
     it folds into ``PATH``'s word or another token); None: the generic label."""
@@ -75,3 +77,14 @@ class KernelPath:
 def rule(path: str, name: str, why: str, needs: str, check: Callable[[Scope], bool]) -> Rule:
     """A ``Rule`` named ``<path>.<name>`` that reads the space-separated parameters ``needs``."""
     return Rule(f"{path}.{name}", why, tuple(needs.split()), check)
+
+
+def scope_head_dims(c: Scope) -> tuple[int, ...]:
+    """Every head dim of the space (``HEAD_DIMS``; a scope without it: its smallest and largest)."""
+    return tuple(c["HEAD_DIMS"]) if "HEAD_DIMS" in c else (c["MIN_HEAD_DIM"], c["MAX_HEAD_DIM"])
+
+
+def head_dims_rule(path: str, dims: tuple[int, ...]) -> Rule:
+    """``<path>.head-dims``: every head dim of the space is one of ``dims``."""
+    return rule(path, "head-dims", f"the {path} path holds head dims {', '.join(map(str, dims))}", "",
+                lambda c: all(d in dims for d in scope_head_dims(c)))

@@ -2,11 +2,12 @@
 over CTAs (SPLITS, then a combine launch) and over the warps of a CTA (KV_GROUPS)."""
 from __future__ import annotations
 
-from .base import KernelPath, Scope, rule
+from .base import KernelPath, Scope, head_dims_rule, rule
 
 NAME = "mma"
 PARAMS = ("BLOCK_M", "BLOCK_N", "WARPS", "VEC", "STAGES", "SMEM_LAYOUT", "Q_IN_REGS", "P_IN_REGS", "SPLITS",
           "KV_GROUPS", "PACK_GQA")
+HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 DEFAULTS = {"STAGES": 2, "SMEM_LAYOUT": "swizzle", "Q_IN_REGS": 1, "P_IN_REGS": 1, "SPLITS": 1, "KV_GROUPS": 1,
             "PACK_GQA": 0}
 """What the template takes for a parameter a configuration leaves out."""
@@ -25,6 +26,7 @@ def smem_bytes(c: Scope, head_dim: int) -> int:
 
 
 RULES = (
+    head_dims_rule(NAME, HEAD_DIMS),
     rule(NAME, "warps", "no more warps than the tile has 16-row groups, times the K/V groups", "BLOCK_M WARPS KV_GROUPS",
          lambda c: c["WARPS"] <= c["KV_GROUPS"] * (c["BLOCK_M"] // 16)),
     rule(NAME, "rows", "each K/V group's warps cover the tile's rows, one or two 16-row strips per warp; "
@@ -42,4 +44,4 @@ RULES = (
 )
 
 PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=lambda c: 32 * c["WARPS"], rows_per_cta=lambda c: c["BLOCK_M"],
-                  defaults=DEFAULTS)
+                  defaults=DEFAULTS, head_dims=HEAD_DIMS)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import KernelPath, Scope, rule
+from .base import KernelPath, Scope, rule, scope_head_dims
 
 NAME = "mma"
 TEMPLATE = "flash_attention_bwd"
@@ -65,7 +65,7 @@ def _dq_slices(c: Scope, head_dim: int) -> bool:
 
 RULES = (
     rule(NAME, "head-dims", f"the backward supports head dims {', '.join(map(str, HEAD_DIMS))}", "",
-         lambda c: c["MIN_HEAD_DIM"] in HEAD_DIMS and c["MAX_HEAD_DIM"] in HEAD_DIMS),
+         lambda c: all(d in HEAD_DIMS for d in scope_head_dims(c))),
     rule(NAME, "layout", f"DKDV is one of {', '.join(DKDV_LAYOUTS)}", "DKDV", lambda c: c["DKDV"] in DKDV_LAYOUTS),
     rule(NAME, "keys", "BLOCK_N is 64 or 128 (strips: one warp per 16 keys)", "BLOCK_N", lambda c: c["BLOCK_N"] in (64, 128)),
     rule(NAME, "rows", "tiles: BLOCK_M is 64 or 128; strips: 16, 32, 64 or 128 and at most BLOCK_N", "DKDV BLOCK_M BLOCK_N",
@@ -92,4 +92,4 @@ def label(values: dict[str, Any]) -> None:
 
 
 PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=lambda c: 32 * warps(c), rows_per_cta=lambda c: c["BLOCK_N"],
-                  defaults=DEFAULTS, label=label)
+                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS)

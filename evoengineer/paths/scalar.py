@@ -1,10 +1,11 @@
 """The scalar path: one thread per (row, column slice), fp32 FMAs, no tensor cores."""
 from __future__ import annotations
 
-from .base import KernelPath, Scope, rule
+from .base import KernelPath, Scope, head_dims_rule, rule
 
 NAME = "scalar"
 PARAMS = ("BLOCK_M", "BLOCK_N", "WARPS", "VEC")
+HEAD_DIMS = (64, 128)
 
 
 def smem_bytes(c: Scope, head_dim: int) -> int:
@@ -16,6 +17,7 @@ def smem_bytes(c: Scope, head_dim: int) -> int:
 
 
 RULES = (
+    head_dims_rule(NAME, HEAD_DIMS),
     rule(NAME, "warps", "no more warps than the tile has rows", "BLOCK_M WARPS",
          lambda c: c["WARPS"] <= c["BLOCK_M"]),
     rule(NAME, "vec", "the vector width divides the head dimension", "VEC",
@@ -24,4 +26,5 @@ RULES = (
          "BLOCK_M BLOCK_N WARPS", lambda c: smem_bytes(c, c["MAX_HEAD_DIM"]) <= c["SMEM_LIMIT"]),
 )
 
-PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=lambda c: 32 * c["WARPS"], rows_per_cta=lambda c: c["BLOCK_M"])
+PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=lambda c: 32 * c["WARPS"], rows_per_cta=lambda c: c["BLOCK_M"],
+                  head_dims=HEAD_DIMS)

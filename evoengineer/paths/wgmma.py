@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import KernelPath, Scope, rule
+from .base import KernelPath, Scope, head_dims_rule, rule
 
 NAME = "wgmma"
 PARAMS = ("BLOCK_M", "BLOCK_N", "STAGES", "Q_IN_REGS", "CONSUMER_WGS", "PRODUCER", "REG_PRODUCER", "REG_CONSUMER",
           "INTRA_WG_OVERLAP", "PINGPONG", "LOAD", "PERSISTENT", "O_TMA", "SPLIT_TAIL", "SOFTMAX_PIN")
+HEAD_DIMS = (64, 128, 192, 256)
 DEFAULTS = {"STAGES": 2, "Q_IN_REGS": 0, "CONSUMER_WGS": 1, "PRODUCER": 0, "REG_PRODUCER": 0, "REG_CONSUMER": 0,
             "INTRA_WG_OVERLAP": 0, "PINGPONG": 0, "LOAD": "cpasync", "PERSISTENT": 0, "O_TMA": 0, "SPLIT_TAIL": 0,
             "SOFTMAX_PIN": 0}
@@ -65,6 +66,7 @@ def _setmaxnreg_ok(c: Scope) -> bool:
 
 
 RULES = (
+    head_dims_rule(NAME, HEAD_DIMS),
     rule(NAME, "arch", "wgmma and setmaxnreg exist only on sm_90a", "", lambda c: c["ARCH_NAME"] == ARCH),
     rule(NAME, "tile", "one 64-row strip per consumer warpgroup; 16-key slices, at least 64 keys a tile, "
          "at least two stages", "BLOCK_M BLOCK_N STAGES CONSUMER_WGS",
@@ -148,4 +150,4 @@ def overlap_token(values: dict[str, Any]) -> str:
 
 
 PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=threads, rows_per_cta=lambda c: 64 * c["CONSUMER_WGS"],
-                  defaults=DEFAULTS, label=label)
+                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS)

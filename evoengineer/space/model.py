@@ -370,6 +370,7 @@ class Space:
             "SMS": self.target.sms,
             "ARCH": self.target.arch_number,
             "ARCH_NAME": self.target.arch,
+            "HEAD_DIMS": tuple(sorted(set(dims))),
             "MAX_HEAD_DIM": max(dims),
             "MIN_HEAD_DIM": min(dims),
         }
@@ -451,7 +452,7 @@ class Space:
         the shapes of that head dim."""
         env = self.environment()
         if head_dim is not None:
-            env.update(MAX_HEAD_DIM=head_dim, MIN_HEAD_DIM=head_dim)
+            env.update(HEAD_DIMS=(head_dim,), MAX_HEAD_DIM=head_dim, MIN_HEAD_DIM=head_dim)
         if not self.paths:
             env.update(config)
             return [c.text for c in self.constraints if not c.expression(env)]
@@ -597,7 +598,6 @@ _SHAPE_KEYS = ("B", "H", "H_KV", "S", "S_KV", "D", "causal", "softcap", "window"
 _TOL_KEYS = ("atol", "rtol", *DTYPES)
 _TIMING_KEYS = ("warmup", "repetitions", "min_repetitions", "precision", "race", "flush_l2", "timeout_s")
 _SEARCH_KEYS = ("strategy", "budget", "time", "top_k", "population", "seeds")
-_SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 def resolve_space_path(spec: str | Path, cwd: Path | None = None) -> Path:
@@ -804,22 +804,17 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
     scale = pr.get("scale")
     if scale is not None:
         scale = v.number(scale, "problem.scale", positive=True)
-    cases = _parse_shapes(v, pr["shapes"], dtypes)
-
     template = v.string(root["template"], "template")
     if template not in template_names():
         v.fail("template", f"no template {template!r}{_hint(template, template_names())}")
+    cases = _parse_shapes(v, pr["shapes"], dtypes, kernel_paths.head_dims(template))
     if kernel_paths.is_backward(template):
         if "paths" not in root:
             v.fail("paths", f"the {template} template's space is written per path (paths: mma: ...)")
-        dims = sorted({c.head_dim for c in cases} - set(kernel_paths.mma_backward.HEAD_DIMS))
-        if dims:
-            v.fail("problem.shapes", f"head dim {dims[0]}: the backward supports "
-                                     f"{', '.join(map(str, kernel_paths.mma_backward.HEAD_DIMS))}")
         if any(c.features for c in cases):
             v.fail("problem.shapes", "the backward takes no soft cap or window")
 
-    space_env_names = {"SMEM_LIMIT", "SMS", "ARCH", "ARCH_NAME", "MAX_HEAD_DIM", "MIN_HEAD_DIM"}
+    space_env_names = {"SMEM_LIMIT", "SMS", "ARCH", "ARCH_NAME", "HEAD_DIMS", "MAX_HEAD_DIM", "MIN_HEAD_DIM"}
     path_spaces: tuple[PathSpace, ...] = ()
     if "paths" in root:
         params, path_spaces = _parse_paths(v, root.get("params"), root["paths"], root.get("constraints", []), space_env_names,
@@ -934,15 +929,18 @@ def _parse_tolerances(v: "_Validator", raw: Any) -> tuple[float, float, tuple[tu
     return atol, rtol, tuple((d, *per[d]) for d in DTYPES if per[d] != (atol, rtol))
 
 
-def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",)) -> tuple[Case, ...]:
+def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",),
+                  head_dims: Sequence[int] = kernel_paths.head_dims()) -> tuple[Case, ...]:
+    """The cases of ``problem.shapes``: each shape per dtype and causal flag; a head dim must be
+    one of ``head_dims`` (those the template's paths hold)."""
     items = v.sequence(raw, "problem.shapes", non_empty=True)
     cases: list[Case] = []
     for i, item in enumerate(items):
         key = f"problem.shapes[{i}]"
         s = v.mapping(item, key, _SHAPE_KEYS, required=("B", "H", "S", "D"))
         d = v.integer(s["D"], f"{key}.D", minimum=1)
-        if d not in _SUPPORTED_HEAD_DIMS:
-            v.fail(f"{key}.D", f"head dim must be one of {list(_SUPPORTED_HEAD_DIMS)}, got {d}")
+        if d not in head_dims:
+            v.fail(f"{key}.D", f"head dim must be one of {list(head_dims)} (what this template's paths hold), got {d}")
         heads = v.integer(s["H"], f"{key}.H", minimum=1)
         heads_kv = v.integer(s.get("H_KV", heads), f"{key}.H_KV", minimum=1)
         if heads % heads_kv:
