@@ -94,7 +94,7 @@ def test_cli_error_is_one_line_exit_2(space_file) -> None:
 
 def test_cli_unknown_space_exit_2(tmp_path: Path) -> None:
     proc = run_cli("check", "--space", "nope", cwd=tmp_path)
-    assert proc.returncode == 2 and "built-in spaces: h100, h100-backward, h100-bf16, h100-decode, l4" in proc.stderr
+    assert proc.returncode == 2 and "built-in spaces: gemma2-9b, h100, h100-backward, h100-bf16, h100-decode, l4, llama3-8b, mistral-7b, phi3-mini, qwen2.5-7b" in proc.stderr
 
 
 # -- constraints are data ------------------------------------------------------------

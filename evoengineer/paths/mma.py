@@ -2,7 +2,7 @@
 over CTAs (SPLITS, then a combine launch) and over the warps of a CTA (KV_GROUPS)."""
 from __future__ import annotations
 
-from .base import KernelPath, Scope, head_dims_rule, rule
+from .base import KernelPath, Scope, head_dims_rule, rule, scope_head_dims
 
 NAME = "mma"
 PARAMS = ("BLOCK_M", "BLOCK_N", "WARPS", "VEC", "STAGES", "SMEM_LAYOUT", "Q_IN_REGS", "P_IN_REGS", "SPLITS",
@@ -35,6 +35,9 @@ RULES = (
          or (c["BLOCK_M"] * c["KV_GROUPS"] == 32 * c["WARPS"] and c["WARPS"] >= 2 * c["KV_GROUPS"] and not c["Q_IN_REGS"])),
     rule(NAME, "loads", "the mma path loads with 16-byte cp.async and steps K in 16-key slices", "BLOCK_N VEC",
          lambda c: c["VEC"] == 8 and c["BLOCK_N"] % 16 == 0),
+    rule(NAME, "swizzle", "the XOR swizzle permutes 8 16-byte chunks of a row: a swizzled row holds a multiple of 64 "
+         "halves (other head dims pad their rows)", "SMEM_LAYOUT",
+         lambda c: c["SMEM_LAYOUT"] == "pad" or all(d % 64 == 0 for d in scope_head_dims(c))),
     rule(NAME, "vec", "the vector width divides the head dimension", "VEC",
          lambda c: c["MIN_HEAD_DIM"] % c["VEC"] == 0),
     rule(NAME, "smem", "the Q tile, STAGES K and V tiles per K/V group (or, if larger, the groups' fp32 merge area) "
