@@ -1,12 +1,18 @@
 """Each model-family space's export serves its model: a two-layer, randomly initialised Hugging
 Face model built from the real configuration of Llama-3 8B, Qwen2.5 7B, Mistral 7B v0.1 (sliding
 window), Gemma-2 9B (head dim 256, soft cap, sliding window) and Phi-3 mini (head dim 96, sliding
-window), in bf16, generates greedily over prompts of different lengths (left padding) through
-``register_hf`` exactly the tokens it generates with SDPA (eager attention for Gemma-2, whose soft
-cap SDPA lacks), with prompts longer than the window where the model has one, and no call falls
-back."""
+window), in bf16, over prompts of different lengths (left padding), longer than the window where
+the model has one, through ``register_hf`` (no call falls back), against the same model with SDPA
+(eager attention for Gemma-2, whose soft cap SDPA lacks):
+
+- the prompt's logits under flash-attn's rule at the model's output: ``max|ours - fp32| <=
+  2 * max|sdpa_bf16 - fp32| + eps``, where fp32 is the same model in fp32;
+- greedy generation equals SDPA's token for token, or parts from it only at a near-tie: where the
+  two first differ, the fp32 model's logits of the two tokens are closer than the bf16 model's
+  own error bound (random weights leave many top-2 gaps of a few bf16 steps)."""
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -92,16 +98,28 @@ def test_batched_greedy_generation_equals_sdpa_token_for_token(name: str, tmp_pa
     mask = torch.ones_like(ids)
     mask[1, :37] = 0    # left padding, as generate pads prompts of different lengths
     mask[2, :length // 2] = 0
+    reference = FAMILIES[name][2]
     with torch.no_grad():
-        model.set_attn_implementation(FAMILIES[name][2])
-        ref_logits = model(ids, attention_mask=mask).logits[:, -1].float()
+        model.set_attn_implementation(reference)
+        ref_logits = model(ids, attention_mask=mask).logits.float()
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
         model.set_attn_implementation("evo")
         module.fallback_counts(reset=True)
-        logits = model(ids, attention_mask=mask).logits[:, -1].float()
+        logits = model(ids, attention_mask=mask).logits.float()
         tokens = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    assert module.fallback_counts() == {}
-    top2 = ref_logits.topk(2, dim=-1).values
-    gap = (top2[:, 0] - top2[:, 1]).min().item()
-    err = (logits - ref_logits).abs().max().item()
-    assert torch.equal(tokens, ref), f"greedy tokens differ; last-prompt logits max diff {err:.4f}, smallest top-2 gap {gap:.4f}"
+        assert module.fallback_counts() == {}
+        exact = copy.deepcopy(model).float()
+        exact.set_attn_implementation(reference)
+        fp32 = exact(ids, attention_mask=mask).logits
+        real = mask.bool()
+        err, ref_err = ((x - fp32)[real].abs().max().item() for x in (logits, ref_logits))
+        assert err <= 2 * ref_err + 1e-2, f"prompt logits: max|ours - fp32| {err:.4f} > 2 * {ref_err:.4f} + eps"
+        if torch.equal(tokens, ref):
+            return
+        col = int((tokens != ref).any(0).nonzero()[0])
+        row = int((tokens[:, col] != ref[:, col]).nonzero()[0])
+        prefix = ref[:, :col]
+        step = exact(prefix, attention_mask=torch.cat([mask, torch.ones_like(prefix[:, length:])], 1)).logits[row, -1]
+        gap = (step[ref[row, col]] - step[tokens[row, col]]).abs().item()
+    assert gap <= 2 * ref_err + 1e-2, (f"sequence {row} parts from SDPA's at new token {col - length}, where fp32 "
+                                       f"puts the two tokens {gap:.4f} apart (> 2 * {ref_err:.4f} + eps)")
