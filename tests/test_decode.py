@@ -22,6 +22,9 @@ from evoengineer.results import Shape, export_runs, nearest, parse_label, per_sh
 from evoengineer.space import Case, Config, SpaceError, Variant, format_shape, load_space, parse_shape
 
 DECODE_SPACE = "h100-decode"
+ISSUE_SHAPES = [(8, 32, 8, 4096, 128), (2, 28, 4, 6000, 128), (4, 16, 16, 4096, 64), (64, 32, 8, 2048, 128),
+                (1, 32, 32, 32768, 128)]
+"""(B, H, H_kv, S_kv, D) of the decode shapes the per-call split count is for (q_len 1)."""
 RECORDING = Path(__file__).resolve().parent / "data" / "replay_synthetic.jsonl"
 
 
@@ -102,7 +105,8 @@ def test_with_shapes_selects_by_query_and_kv_length() -> None:
     assert [c.label() for c in d128.cases] == ["B8 H32 S1/4096 D128", "B8 H32 S1/4096 D128 bf16",
                                                "B8 H32/8 S1/4096 D128", "B8 H32/8 S1/4096 D128 bf16"]
     assert len(space.with_shapes([(1, 32, 1, 128, 8192)]).cases) == 2
-    with pytest.raises(SpaceError, match=r"no shape 8,32,1,128 .*it has 8,32,1/4096,128, 8,32,1/4096,64, 1,32,1/8192,128$"):
+    with pytest.raises(SpaceError, match=r"no shape 8,32,1,128 .*it has 8,32,1/4096,128, 8,32,1/4096,64, 1,32,1/8192,128, "
+                                         r"2,28,1/6000,128, 4,16,1/4096,64, 64,32,1/2048,128, 1,32,1/32768,128$"):
         space.with_shapes([(8, 32, 1, 128)])   # four numbers: S_KV = S
 
 
@@ -129,9 +133,10 @@ def test_search_restricted_to_a_decode_shape(tmp_path: Path, space_yaml: Path) -
 def test_gate_adds_kv_length_edges_only_where_the_space_has_decode_shapes() -> None:
     space = load_space(DECODE_SPACE)
     grouped = gate_cases(space, Variant(128, False, "bf16"))
-    assert [c.label() for c in grouped[:3]] == ["B8 H32 S1/4096 D128 bf16", "B8 H32/8 S1/4096 D128 bf16",
-                                                "B1 H32 S1/8192 D128 bf16"]
-    shapes = [(c.batch, c.heads, c.heads_kv, c.seq, c.seq_kv) for c in grouped[3:]]
+    assert [c.label() for c in grouped[:6]] == ["B8 H32 S1/4096 D128 bf16", "B8 H32/8 S1/4096 D128 bf16",
+                                                "B1 H32 S1/8192 D128 bf16", "B2 H28/4 S1/6000 D128 bf16",
+                                                "B64 H32/8 S1/2048 D128 bf16", "B1 H32 S1/32768 D128 bf16"]
+    shapes = [(c.batch, c.heads, c.heads_kv, c.seq, c.seq_kv) for c in grouped[6:]]
     assert shapes == ([(b, h, h, s, s) for b, h, s in EDGE_SEQS] + [(b, h, kv, s, s) for b, h, kv, s in EDGE_GQA]
                       + [(b, h, h, s, skv) for b, h, s, skv in EDGE_KV] + list(EDGE_GQA_KV))
     assert {(c.seq, c.seq_kv) for c in grouped} >= {(1, 1), (1, 77), (1, 257), (1, 4096)}
@@ -154,15 +159,17 @@ def test_the_decode_space_holds_split_kv_configurations_for_q_len_1() -> None:
     assert DECODE_SPACE in builtin_spaces()
     space = load_space(DECODE_SPACE)
     assert space.target.arch == "sm_90a" and space.dtypes == ("fp16", "bf16")
-    assert all(c.seq == 1 and c.seq_kv >= 4096 and not c.causal for c in space.cases)
-    assert {(c.head_dim, c.heads_kv) for c in space.cases} == {(128, 32), (64, 32), (128, 8)}
+    assert all(c.seq == 1 and c.seq_kv >= 2048 and not c.causal for c in space.cases)
+    assert {(c.head_dim, c.heads_kv) for c in space.cases} == {(128, 32), (64, 32), (64, 16), (128, 8), (128, 4)}
+    assert {(c.batch, c.heads, c.heads_kv, c.seq_kv, c.head_dim) for c in space.cases} >= set(ISSUE_SHAPES)
     valid = list(space.valid_configs())
-    assert 100 <= len(valid) <= 250
+    assert 100 <= len(valid) <= 300
     assert {c["PATH"] for c in valid} == {"mma"} and {c["BLOCK_M"] for c in valid} == {16}
-    assert {c["SPLITS"] for c in valid} == {1, 2, 4, 8, 16, 32} and {c["KV_GROUPS"] for c in valid} == {1, 2, 4, 8}
+    assert {c["SPLITS"] for c in valid} == {0, 1, 2, 4, 8, 16, 32} and {c["KV_GROUPS"] for c in valid} == {1, 2, 4, 8}
     assert all(c["WARPS"] == c["KV_GROUPS"] for c in valid)
     assert space.search.seeds and all(space.contains(seed) for seed in space.search.seeds)
     assert sum(seed["SPLITS"] > 1 for seed in space.search.seeds) >= 4
+    assert space.search.seeds[0]["SPLITS"] == 0   # the per-call split count is timed first
     assert {c["PACK_GQA"] for c in valid} == {0, 1} and any(seed.get("PACK_GQA") for seed in space.search.seeds)
 
 
