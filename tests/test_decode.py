@@ -434,23 +434,24 @@ def test_the_split_rule_spreads_a_few_heads_over_every_multiprocessor() -> None:
 def test_an_auto_split_kernel_declares_its_per_call_launches() -> None:
     """SPLITS 0: the main launch's z is the call's split count, the combine launch runs only above
     one split, the workspace holds a partial row (head_dim + 1 floats) per split, and both kernels
-    take ``int kv_splits`` after the soft cap's argument."""
+    take ``int kv_splits`` after the features' arguments."""
     rendered = render("flash_attention", AUTO, Variant(128, False, "bf16"))
     main, combine = rendered.launches
     assert main.auto_split == (64, 4) and main.pack_gqa and not main.split_combine
     assert combine.split_combine and combine.auto_split is None
     assert main.grid(2, 28, 1, heads_kv=4, splits=16) == (1, 8, 16) and combine.grid(2, 28, 1, splits=16) == (1, 56, 1)
     assert rendered.workspace_floats(2, 28, 1, 16) == 56 * 16 * 129 and rendered.workspace_floats(2, 28, 1, 1) == 0
-    assert rendered.features == ("splits",) and rendered.arguments[-1] == ("kv_splits", "i32")
+    assert rendered.features == () and rendered.arguments[-1] == ("kv_splits", "i32")
     assert AUTO.short_label() == "mma 16x64 w4 q p sauto g4 pk"
     meta = rendered.launch_metadata()
     assert meta["launches"][0]["auto_split"] == {"block_n": 64, "kv_groups": 4} and meta["workspace_floats_per_split"] == 129
     with_features = render("flash_attention", AUTO, Variant(64, True, "fp16", ("seqlens", "softcap", "varlen", "window")))
-    assert "// FEATURES seqlens softcap splits varlen window" in with_features.source
-    assert [name for name, _ in with_features.arguments[-8:]] == ["seqlens_k", "leftpad_k", "softcap", "kv_splits",
-                                                                 "cu_seqlens_q", "cu_seqlens_k", "window_left", "window_right"]
-    signature = next(line for line in with_features.source.splitlines() if "attn_combine(" in line)
-    assert "float softcap, int kv_splits, const int* cu_seqlens_q" in signature
+    assert "// FEATURES seqlens softcap varlen window" in with_features.source
+    assert [name for name, _ in with_features.arguments[-8:]] == ["seqlens_k", "leftpad_k", "softcap", "cu_seqlens_q",
+                                                                 "cu_seqlens_k", "window_left", "window_right", "kv_splits"]
+    for kernel in ("attn_fwd(", "attn_combine("):
+        signature = next(line for line in with_features.source.splitlines() if kernel in line)
+        assert signature.endswith("int window_left, int window_right, int kv_splits) {")
     with pytest.raises(ValueError, match="WRITE_LSE_REQUIRES_SPLITS_1"):
         render("flash_attention", AUTO.replace(WRITE_LSE=1), Variant(128, False, "fp16"))
 
@@ -504,7 +505,7 @@ def test_the_export_sizes_an_auto_split_call_as_the_harness_does(tmp_path: Path)
     for batch, heads, heads_kv, seq_kv, head_dim in ISSUE_SHAPES:
         spec = data.kernels[("fp16", head_dim, False, AUTO.key())]
         rendered = render("flash_attention", AUTO, Variant(head_dim, False, "fp16"))
-        assert spec.launches == rendered.launches and ("kv_splits", "i32") in spec.args and "splits" in spec.features
+        assert spec.launches == rendered.launches and spec.args[-1] == ("kv_splits", "i32") == rendered.arguments[-1]
         assert spec.workspace_floats_per_split == rendered.workspace_floats_per_split == head_dim + 1
         assert data.dispatch[("fp16", head_dim, False)].choose(batch, heads, heads_kv, 1, seq_kv) == AUTO.key()
         for slots in SLOTS:

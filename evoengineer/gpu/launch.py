@@ -139,9 +139,9 @@ class AttentionKernel:
                 counter = torch.empty(words, dtype=torch.int32, device=q.device)
                 counter[:zeroed].zero_()
             ws_ptr = counter.data_ptr()
-        extra = {**feature_values(features), "kv_splits": splits}
+        extra = feature_values(features)
         if self._maps is not None:
-            values = {**argument_values(q, k, v, out, ws_ptr, scale * LOG2E), **extra}
+            values = {**argument_values(q, k, v, out, ws_ptr, scale * LOG2E), **extra, "kv_splits": splits}
             self._launch_with_maps(q, k, v, out, values, splits)
             del counter  # the launch is queued: the counter's memory may go back to torch's allocator
             return out
@@ -153,6 +153,7 @@ class AttentionKernel:
             cupy.float32(scale * LOG2E),
             *({"ptr": cupy.uint64, "i32": cupy.int32, "f32": cupy.float32}[kind](extra[name])
               for feature in self.rendered.features for name, kind in FEATURE_ARGS[feature]),
+            *((cupy.int32(splits),) if self.rendered.auto_split else ()),
         )
         with cupy_stream(torch.cuda.current_stream(q.device)):
             for launch, fn in zip(self.rendered.launches, self._functions):

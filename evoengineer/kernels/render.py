@@ -20,7 +20,7 @@ rows of a CTA are the query heads that share a K/V head, position by position); 
 (``runtime.grid.call_splits``, passed as the argument ``int kv_splits`` too) instead of grid_z,
 and a launch with ``"split_combine": true`` runs only where that count is above 1, the
 workspace then ``// WORKSPACE_FLOATS_PER_SPLIT_ROW`` floats per row and split on top of
-``// WORKSPACE_FLOATS_PER_ROW``'s. Launches
+``// WORKSPACE_FLOATS_PER_ROW``'s (``int kv_splits`` follows the features' arguments). Launches
 run in order with the same arguments (a split-K/V kernel followed by its combine
 step, say). Every kernel takes the same argument list, see ``KERNEL_ARGS``, followed by
 one ``const __grid_constant__ CUtensorMap`` per ``// TENSOR_MAP`` line, in their order
@@ -66,15 +66,16 @@ log2(e)."""
 FEATURE_ARGS = {
     "seqlens": [("seqlens_k", "ptr"), ("leftpad_k", "ptr")],
     "softcap": [("softcap", "f32")],
-    "splits": [("kv_splits", "i32")],
     "varlen": [("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr")],
     "window": [("window_left", "i32"), ("window_right", "i32")],
 }
 """Arguments a kernel with a compile-time feature takes after ``KERNEL_ARGS`` (per feature, in
-sorted feature order): per-batch key ranges (int32 pointers, null: none), the soft cap, the
-call's K/V split count (a kernel that chooses it per call: ``auto_split``), packed
+sorted feature order): per-batch key ranges (int32 pointers, null: none), the soft cap, packed
 sequences' offsets (int32 pointers, batch + 1 each; null: the dense layout), the window's sides
 (``runtime.features``)."""
+SPLIT_ARGS = [("kv_splits", "i32")]
+"""What a kernel whose K/V split count is chosen per call (an ``auto_split`` launch) takes after
+its features' arguments: that count (``runtime.grid.call_splits``)."""
 
 
 Launch = LaunchSpec
@@ -144,10 +145,10 @@ class Rendered:
     @property
     def arguments(self) -> list[tuple[str, str]]:
         """(name, kind) of every kernel parameter: ``KERNEL_ARGS``, the arguments of its features
-        (``FEATURE_ARGS``, in the order of ``runtime.features.SWITCHES``), then one ``tmap`` per
-        tensor map."""
+        (``FEATURE_ARGS``, in the order of ``runtime.features.SWITCHES``), the split count of a
+        kernel that chooses it per call (``SPLIT_ARGS``), then one ``tmap`` per tensor map."""
         return (parameter_kinds(KERNEL_ARGS) + [a for name in self.features for a in FEATURE_ARGS[name]]
-                + [(m.arg, "tmap") for m in self.tensor_maps])
+                + (SPLIT_ARGS if self.auto_split else []) + [(m.arg, "tmap") for m in self.tensor_maps])
 
     @property
     def features(self) -> tuple[str, ...]:
