@@ -40,7 +40,6 @@ def auto(block_n: int, groups: int, stages: int, pack: int) -> Config:
 
 CONFIGS = {
     "n64-g4-st1-pk": auto(64, 4, 1, 1),
-    "n64-g2-st2-pk": auto(64, 2, 2, 1),
     "n64-g1-st2": auto(64, 1, 2, 0),
     "n32-g8-st1": auto(32, 8, 1, 0),
 }
