@@ -5,11 +5,14 @@ Exports nothing: give it an export directory (evoengineer export RUN --out DIR).
     python benchmarks/exported_vs_sdpa.py --module best/ --out bench/
     python benchmarks/exported_vs_sdpa.py --module best/ --quick --dtype fp16 \\
         --shape "B1 H8 S512 D64"
+    python benchmarks/exported_vs_sdpa.py --module best/ --decode --out bench-decode/
 
 A row is a shape, dtype and causal flag (skipped, with a note, where the export has no
 kernel for it). evo (module.attention), evo op (the custom op) and sdpa (torch's own backend
-choice) are measured in --rounds interleaved rounds after a heat-up; each SDPA backend forced
-once after them. What each column measures: ``evoengineer.bench.calls``; the targets checked
+choice) and, where flash-attn-4 is installed, fa4 are measured in --rounds interleaved rounds
+after a heat-up; each SDPA backend forced once after them. A decode row (q_len 1; --decode: only
+those) also shows the bandwidth of each: the bytes of K and V over its device time, and their
+share of the GPU's memory bandwidth. What each column measures: ``evoengineer.bench.calls``; the targets checked
 on each row, evo against sdpa (eager, overhead, graph): ``evoengineer.bench.targets``. Tables
 fit 80 columns; --out gets results.json and results.csv; --launch-paths also times the raw
 launch calls the module could use.
@@ -20,7 +23,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from evoengineer.bench.exported import DTYPES, ROUNDS, SHAPES, launch_paths, load_module, measure_export, write_results
+from evoengineer.bench.exported import (
+    DTYPES,
+    ROUNDS,
+    SHAPES,
+    decode_shapes,
+    hbm_peak_gbs,
+    launch_paths,
+    load_module,
+    measure_export,
+    write_results,
+)
 from evoengineer.bench.targets import evaluate_targets, summarize_targets, target_lines
 
 
@@ -30,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write results.json and results.csv here")
     parser.add_argument("--dtype", action="append", choices=DTYPES, help="fp16 and/or bf16 (default both)")
     parser.add_argument("--shape", action="append", help="only these shapes (names as listed in SHAPES, repeatable)")
+    parser.add_argument("--decode", action="store_true", help="only the decode rows (q_len 1 over a K/V cache)")
+    parser.add_argument("--no-fa4", action="store_true", help="leave flash-attn-4 out even where it is installed")
     parser.add_argument("--calls", type=int, default=200, help="calls per eager loop, per graph1 sample and over a "
                         "round's graph samples, at least")
     parser.add_argument("--repetitions", type=int, default=50, help="graph replays per device-time measurement, "
@@ -62,9 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, torch {torch.__version__}; module {args.module} ({len(module.CONFIGS)} configs, "
           f"op {module.OP_NAMESPACE}); speedups are SDPA / ours")
-    shapes = [s for s in SHAPES if not args.shape or s[0] in args.shape]
+    shapes = [s for s in (decode_shapes() if args.decode else SHAPES) if not args.shape or s[0] in args.shape]
+    peak = hbm_peak_gbs()
+    if peak:
+        print(f"memory bandwidth {peak:.0f} GB/s (decode rows: K+V bytes / device time)")
     results, notes = measure_export(module, shapes, args.dtype or list(DTYPES), args.calls, args.repetitions,
-                                    args.rounds, backends=not args.no_backends)
+                                    args.rounds, backends=not args.no_backends, peers=not args.no_fa4)
     targets = evaluate_targets(results)
     print("\n".join(target_lines(targets)))
     paths = launch_paths(module, torch.float16 if "fp16" in module.DTYPES else torch.bfloat16, args.calls) if args.launch_paths else []
@@ -73,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in paths:
             print(f"  {p['path']:<48}" + (f"{p['host_us']:>8.2f}" if "host_us" in p else f"  {p['error']}"))
     if args.out:
-        write_results(args.out, {"gpu": props.name, "torch": torch.__version__, "module": str(args.module),
+        write_results(args.out, {"gpu": props.name, "torch": torch.__version__, "module": str(args.module), "hbm_gbs": peak,
                                  "op": module.OP_NAMESPACE, "rows": results, "notes": notes, "launch_paths": paths,
                                  "targets": {"rows": targets, "summary": summarize_targets(targets)}}, results)
         print(f"wrote {args.out / 'results.json'} and {args.out / 'results.csv'}")

@@ -4,6 +4,7 @@ compiles of split-K/V kernels, their launch geometry) and an export of a prefill
 decode run whose module sends q_len 1 calls to the decode configurations."""
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import subprocess
@@ -22,6 +23,9 @@ from evoengineer.results import Shape, export_runs, nearest, parse_label, per_sh
 from evoengineer.space import Case, Config, SpaceError, Variant, format_shape, load_space, parse_shape
 
 DECODE_SPACE = "h100-decode"
+ISSUE_SHAPES = [(8, 32, 8, 4096, 128), (2, 28, 4, 6000, 128), (4, 16, 16, 4096, 64), (64, 32, 8, 2048, 128),
+                (1, 32, 32, 32768, 128)]
+"""(B, H, H_kv, S_kv, D) of the decode shapes the per-call split count is for (q_len 1)."""
 RECORDING = Path(__file__).resolve().parent / "data" / "replay_synthetic.jsonl"
 
 
@@ -102,7 +106,8 @@ def test_with_shapes_selects_by_query_and_kv_length() -> None:
     assert [c.label() for c in d128.cases] == ["B8 H32 S1/4096 D128", "B8 H32 S1/4096 D128 bf16",
                                                "B8 H32/8 S1/4096 D128", "B8 H32/8 S1/4096 D128 bf16"]
     assert len(space.with_shapes([(1, 32, 1, 128, 8192)]).cases) == 2
-    with pytest.raises(SpaceError, match=r"no shape 8,32,1,128 .*it has 8,32,1/4096,128, 8,32,1/4096,64, 1,32,1/8192,128$"):
+    with pytest.raises(SpaceError, match=r"no shape 8,32,1,128 .*it has 8,32,1/4096,128, 8,32,1/4096,64, 1,32,1/8192,128, "
+                                         r"2,28,1/6000,128, 4,16,1/4096,64, 64,32,1/2048,128, 1,32,1/32768,128$"):
         space.with_shapes([(8, 32, 1, 128)])   # four numbers: S_KV = S
 
 
@@ -129,9 +134,10 @@ def test_search_restricted_to_a_decode_shape(tmp_path: Path, space_yaml: Path) -
 def test_gate_adds_kv_length_edges_only_where_the_space_has_decode_shapes() -> None:
     space = load_space(DECODE_SPACE)
     grouped = gate_cases(space, Variant(128, False, "bf16"))
-    assert [c.label() for c in grouped[:3]] == ["B8 H32 S1/4096 D128 bf16", "B8 H32/8 S1/4096 D128 bf16",
-                                                "B1 H32 S1/8192 D128 bf16"]
-    shapes = [(c.batch, c.heads, c.heads_kv, c.seq, c.seq_kv) for c in grouped[3:]]
+    assert [c.label() for c in grouped[:6]] == ["B8 H32 S1/4096 D128 bf16", "B8 H32/8 S1/4096 D128 bf16",
+                                                "B1 H32 S1/8192 D128 bf16", "B2 H28/4 S1/6000 D128 bf16",
+                                                "B64 H32/8 S1/2048 D128 bf16", "B1 H32 S1/32768 D128 bf16"]
+    shapes = [(c.batch, c.heads, c.heads_kv, c.seq, c.seq_kv) for c in grouped[6:]]
     assert shapes == ([(b, h, h, s, s) for b, h, s in EDGE_SEQS] + [(b, h, kv, s, s) for b, h, kv, s in EDGE_GQA]
                       + [(b, h, h, s, skv) for b, h, s, skv in EDGE_KV] + list(EDGE_GQA_KV))
     assert {(c.seq, c.seq_kv) for c in grouped} >= {(1, 1), (1, 77), (1, 257), (1, 4096)}
@@ -154,15 +160,17 @@ def test_the_decode_space_holds_split_kv_configurations_for_q_len_1() -> None:
     assert DECODE_SPACE in builtin_spaces()
     space = load_space(DECODE_SPACE)
     assert space.target.arch == "sm_90a" and space.dtypes == ("fp16", "bf16")
-    assert all(c.seq == 1 and c.seq_kv >= 4096 and not c.causal for c in space.cases)
-    assert {(c.head_dim, c.heads_kv) for c in space.cases} == {(128, 32), (64, 32), (128, 8)}
+    assert all(c.seq == 1 and c.seq_kv >= 2048 and not c.causal for c in space.cases)
+    assert {(c.head_dim, c.heads_kv) for c in space.cases} == {(128, 32), (64, 32), (64, 16), (128, 8), (128, 4)}
+    assert {(c.batch, c.heads, c.heads_kv, c.seq_kv, c.head_dim) for c in space.cases} >= set(ISSUE_SHAPES)
     valid = list(space.valid_configs())
-    assert 100 <= len(valid) <= 250
+    assert 100 <= len(valid) <= 300
     assert {c["PATH"] for c in valid} == {"mma"} and {c["BLOCK_M"] for c in valid} == {16}
-    assert {c["SPLITS"] for c in valid} == {1, 2, 4, 8, 16, 32} and {c["KV_GROUPS"] for c in valid} == {1, 2, 4, 8}
+    assert {c["SPLITS"] for c in valid} == {0, 1, 2, 4, 8, 16, 32} and {c["KV_GROUPS"] for c in valid} == {1, 2, 4, 8}
     assert all(c["WARPS"] == c["KV_GROUPS"] for c in valid)
     assert space.search.seeds and all(space.contains(seed) for seed in space.search.seeds)
     assert sum(seed["SPLITS"] > 1 for seed in space.search.seeds) >= 4
+    assert space.search.seeds[0]["SPLITS"] == 0   # the per-call split count is timed first
     assert {c["PACK_GQA"] for c in valid} == {0, 1} and any(seed.get("PACK_GQA") for seed in space.search.seeds)
 
 
@@ -356,3 +364,173 @@ def test_old_and_new_decode_labels_are_one_case(tmp_path: Path) -> None:
                    space=yaml.safe_load(builtin_spaces()[DECODE_SPACE].read_text()), name=DECODE_SPACE)
     winners = [w for w in per_shape_winners([old, new]).winners if w.shape.seq_q == 1]
     assert [(w.config, w.median_us, w.candidates) for w in winners] == [(DEC_A.key(), 80.0, 2)]
+
+
+# -- the split count chosen per call (SPLITS 0) ----------------------------------------------------
+
+AUTO = DEC_A.replace(SPLITS=0, PACK_GQA=1)
+"""The K/V split count of each call chosen from its shape (``runtime.grid.decode_splits``)."""
+SLOTS = (132, 264, 396)
+"""CTAs an H100 holds at once: one, two or three resident CTAs on each of its 132 multiprocessors."""
+
+
+def _kernel_cut(tiles: int, splits: int) -> list[int]:
+    """Tiles of each split as the kernel cuts them: ceil(tiles / splits) each, from the start."""
+    per = -(-tiles // splits)
+    return [max(0, min(per, tiles - z * per)) for z in range(splits)]
+
+
+def _efficiency(ctas: int, slots: int) -> float:
+    waves = ctas / slots
+    return waves / -(-ctas // slots)
+
+
+@pytest.mark.parametrize("block_n, groups, pack", [(64, 4, 1), (64, 1, 0), (32, 8, 1), (128, 2, 0)])
+@pytest.mark.parametrize("slots", SLOTS)
+def test_the_split_rule_fills_whole_waves_on_the_issue_shapes(block_n: int, groups: int, pack: int, slots: int) -> None:
+    """On each decode shape: no split where the grid already fills 80% of a wave; otherwise every
+    split gets at least one K/V tile per warp group, and the count reaches 90% of the best wave
+    efficiency any such count reaches, with as few splits as that allows."""
+    from evoengineer.paths.mma import decode_splits
+    from evoengineer.runtime.grid import FILLED, MAX_SPLITS, NEAR_BEST
+
+    config = AUTO.replace(BLOCK_N=block_n, WARPS=groups, KV_GROUPS=groups, PACK_GQA=pack)
+    main = render("flash_attention", config, Variant(128, False, "fp16")).launches[0]
+    for batch, heads, heads_kv, seq_kv, _ in ISSUE_SHAPES:
+        x, y, _ = main.grid(batch, heads, 1, heads_kv=heads_kv)
+        ctas = x * y
+        splits = decode_splits(ctas, seq_kv, block_n, groups, slots)
+        assert 1 <= splits <= min(MAX_SPLITS, slots)
+        tiles = -(-seq_kv // block_n)
+        cut = _kernel_cut(tiles, splits)
+        assert sum(cut) == tiles and min(cut) >= (groups if splits > 1 else 1), (batch, heads, splits)
+        if ctas >= FILLED * slots:
+            assert splits == 1
+            continue
+        allowed = [s for s in range(1, min(MAX_SPLITS, slots) + 1) if min(_kernel_cut(tiles, s)) >= groups]
+        best = max(_efficiency(ctas * s, slots) for s in allowed)
+        assert _efficiency(ctas * splits, slots) >= NEAR_BEST * best
+        assert all(_efficiency(ctas * s, slots) < NEAR_BEST * best for s in allowed if s < splits)
+
+
+def test_the_split_rule_spreads_a_few_heads_over_every_multiprocessor() -> None:
+    """One resident CTA per multiprocessor (132): the small-batch shapes split until the grid covers
+    at least 80% of the GPU; a batch of 64 is not split; a longer cache never gets fewer splits."""
+    from evoengineer.paths.mma import decode_splits
+
+    for batch, heads, heads_kv, seq_kv, head_dim in ISSUE_SHAPES:
+        for ctas in (batch * heads, batch * heads_kv):   # a CTA per query head, or per K/V head (packed)
+            splits = decode_splits(ctas, seq_kv, 64, 4, 132)
+            if batch == 64:
+                assert splits == 1
+            else:
+                assert ctas * splits >= 0.8 * 132, (batch, heads, heads_kv, ctas, splits)
+    assert decode_splits(8, 6000, 64, 4, 132) > decode_splits(8, 600, 64, 4, 132) == 2   # 10 tiles: two splits of 5
+    assert decode_splits(8, 1, 64, 4, 132) == decode_splits(8, 255, 64, 4, 132) == 1     # fewer tiles than warp groups
+    # one CTA on 100 slots: 100 splits fill the wave, 90 are the fewest within 90% of that; 128 splits at most
+    assert decode_splits(1, 10 ** 7, 64, 1, 100) == 90 and 0.9 * 128 <= decode_splits(1, 10 ** 7, 64, 1, 10 ** 4) <= 128
+
+
+def test_an_auto_split_kernel_declares_its_per_call_launches() -> None:
+    """SPLITS 0: the main launch's z is the call's split count, the combine launch runs only above
+    one split, the workspace holds a partial row (head_dim + 1 floats) per split, and both kernels
+    take ``int kv_splits`` after the features' arguments."""
+    rendered = render("flash_attention", AUTO, Variant(128, False, "bf16"))
+    main, combine = rendered.launches
+    assert main.auto_split == (64, 4) and main.pack_gqa and not main.split_combine
+    assert combine.split_combine and combine.auto_split is None
+    assert main.grid(2, 28, 1, heads_kv=4, splits=16) == (1, 8, 16) and combine.grid(2, 28, 1, splits=16) == (1, 56, 1)
+    assert rendered.workspace_floats(2, 28, 1, 16) == 56 * 16 * 129 and rendered.workspace_floats(2, 28, 1, 1) == 0
+    assert rendered.features == () and rendered.arguments[-1] == ("kv_splits", "i32")
+    assert AUTO.short_label() == "mma 16x64 w4 q p sauto g4 pk"
+    meta = rendered.launch_metadata()
+    assert meta["launches"][0]["auto_split"] == {"block_n": 64, "kv_groups": 4} and meta["workspace_floats_per_split"] == 129
+    with_features = render("flash_attention", AUTO, Variant(64, True, "fp16", ("seqlens", "softcap", "varlen", "window")))
+    assert "// FEATURES seqlens softcap varlen window" in with_features.source
+    assert [name for name, _ in with_features.arguments[-8:]] == ["seqlens_k", "leftpad_k", "softcap", "cu_seqlens_q",
+                                                                 "cu_seqlens_k", "window_left", "window_right", "kv_splits"]
+    for kernel in ("attn_fwd(", "attn_combine("):
+        signature = next(line for line in with_features.source.splitlines() if kernel in line)
+        assert signature.endswith("int window_left, int window_right, int kv_splits) {")
+    with pytest.raises(ValueError, match="WRITE_LSE_REQUIRES_SPLITS_1"):
+        render("flash_attention", AUTO.replace(WRITE_LSE=1), Variant(128, False, "fp16"))
+
+
+# sha256 (first 16 hex digits) of decode renders made before SPLITS 0 existed: the fixed split
+# counts must render exactly these
+FIXED_SPLITS = {
+    (DEC_A, 128, False, "fp16", ()): "8a775176988ba45b",
+    (DEC_C.replace(PACK_GQA=1), 64, True, "bf16", ()): "5a15d5de80ad4f1f",
+    (DEC_B, 128, False, "bf16", ("seqlens", "softcap", "window")): "f6024c35f0251e6c",
+    (DEC_A.replace(SPLITS=1), 64, False, "fp16", ("varlen",)): "b3b8cbcac2cd45da",
+}
+
+
+@pytest.mark.parametrize("key", list(FIXED_SPLITS), ids=lambda k: f"{k[0].short_label()}-D{k[1]}{k[4]}")
+def test_fixed_split_counts_render_as_before(key) -> None:
+    config, head_dim, causal, dtype, features = key
+    source = render("flash_attention", config, Variant(head_dim, causal, dtype, features)).source
+    assert hashlib.sha256(source.encode()).hexdigest()[:16] == FIXED_SPLITS[key]
+    assert "kv_splits" not in source and "auto_split" not in source and "split_combine" not in source
+
+
+@pytest.mark.slow
+def test_auto_split_kernels_compile_without_spills_for_sm_90a() -> None:
+    """The per-call split kernels (plain, packed, one warp, and with every feature) compile for
+    sm_90a without spills; the decode seeds with SPLITS 0 are among them."""
+    space = load_space(DECODE_SPACE)
+    configs = [AUTO, AUTO.replace(PACK_GQA=0), DEC_B.replace(SPLITS=0), AUTO.replace(BLOCK_N=32, WARPS=8, KV_GROUPS=8)]
+    assert sum(seed["SPLITS"] == 0 for seed in space.search.seeds) >= 2
+    variants = (Variant(128, False, "bf16"), Variant(64, False, "fp16"),
+                Variant(128, True, "fp16", ("seqlens", "softcap", "varlen", "window")))
+    for config in configs:
+        report = build_config(space.template, config, variants, "sm_90a", space.target.smem_per_block)
+        assert report.status == "compiled", (config.short_label(), report.error)
+        assert report.spill_bytes == 0, config.short_label()
+
+
+def test_the_export_sizes_an_auto_split_call_as_the_harness_does(tmp_path: Path) -> None:
+    """An export of a run whose per-call split configuration wins: kernel.json carries its launches,
+    ``kv_splits`` argument and workspace per split; the runtime's split count, grids and workspace
+    for each decode shape are the rule's and the search harness's."""
+    from evoengineer.runtime import read_kernel_file
+    from evoengineer.runtime.grid import call_splits, decode_splits, runs, workspace_floats
+
+    times = {f"B{b} H{h}{f'/{kv}' if kv != h else ''} S1/{s} D{d}": {AUTO: 20.0, DEC_A: 30.0}
+             for b, h, kv, s, d in ISSUE_SHAPES}
+    run = make_run(tmp_path / "decode", times, sdpa={label: 25.0 for label in times}, name=DECODE_SPACE,
+                   space=yaml.safe_load(builtin_spaces()[DECODE_SPACE].read_text()))
+    export_runs([run], tmp_path / "out")
+    data = read_kernel_file(tmp_path / "out" / "kernel.json")
+    for batch, heads, heads_kv, seq_kv, head_dim in ISSUE_SHAPES:
+        spec = data.kernels[("fp16", head_dim, False, AUTO.key())]
+        rendered = render("flash_attention", AUTO, Variant(head_dim, False, "fp16"))
+        assert spec.launches == rendered.launches and spec.args[-1] == ("kv_splits", "i32") == rendered.arguments[-1]
+        assert spec.workspace_floats_per_split == rendered.workspace_floats_per_split == head_dim + 1
+        assert data.dispatch[("fp16", head_dim, False)].choose(batch, heads, heads_kv, 1, seq_kv) == AUTO.key()
+        for slots in SLOTS:
+            splits = call_splits(spec.launches, batch, heads, heads_kv, 1, seq_kv, slots)
+            assert splits == call_splits(rendered.launches, batch, heads, heads_kv, 1, seq_kv, slots)
+            assert splits == decode_splits(batch * heads_kv, seq_kv, 64, 4, slots)   # packed: a CTA per K/V head
+            floats = workspace_floats(spec.workspace_floats_per_row, spec.workspace_floats_per_split, batch, heads, 1, splits)
+            assert floats == rendered.workspace_floats(batch, heads, 1, splits)
+            assert floats == (batch * heads * splits * (head_dim + 1) if splits > 1 else 0)
+            grids = [launch.grid(batch, heads, 1, heads_kv=heads_kv, splits=splits) for launch in spec.launches
+                     if runs(launch, splits)]
+            assert grids == [(1, batch * heads_kv, splits)] + ([(1, batch * heads, 1)] if splits > 1 else [])
+
+
+def test_the_export_benchmark_has_a_row_per_decode_shape_with_its_bandwidth() -> None:
+    """benchmarks/exported_vs_sdpa.py --decode: a row per issue shape; each shows the bytes of K and
+    V over each implementation's device time, within 80 columns."""
+    from evoengineer.bench.exported import bandwidth_line, decode_shapes, kv_bytes
+
+    rows = {(b, h, kv, s, d) for _, (b, h, kv, _, s, d), _ in decode_shapes()}
+    assert set(ISSUE_SHAPES) <= rows and all(dims[3] == 1 for _, dims, _ in decode_shapes())
+    dims = (2, 28, 4, 1, 6000, 128)
+    assert kv_bytes(dims) == 2 * 2 * 4 * 6000 * 128 * 2 == 24_576_000
+    measured = [{"impl": "evo", "status": "ok", "device_us": 12.288}, {"impl": "evo op", "status": "ok", "device_us": 12.3},
+                {"impl": "sdpa", "status": "ok", "device_us": 22.8}, {"impl": "fa4", "status": "unsupported"}]
+    line = bandwidth_line(measured, kv_bytes(dims), 3352.0)
+    assert line == "  K+V 24.6 MB, GB/s (% of 3352): evo 2000 (60%), sdpa 1078 (32%)" and len(line) <= 80
+    assert bandwidth_line(measured, kv_bytes(dims), None).endswith(": evo 2000, sdpa 1078")

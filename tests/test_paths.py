@@ -87,12 +87,15 @@ def test_seeds_keep_their_keys_without_the_unused_parameters(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["l4", "h100-decode"])
 def test_spaces_written_per_path_keep_every_key_and_seed(name: str) -> None:
-    """l4 and h100-decode, once flat, enumerate the same configurations (by key) and seeds."""
+    """l4 and h100-decode, once flat, enumerate the same configurations (by key) and seeds (besides
+    those with SPLITS 0, the split count chosen per call, which came later)."""
     old = parse_space(_old_doc(name), f"{BEFORE}:{name}.yaml")
     new = load_space(name)
     assert new.paths and "PATH" not in _doc(name).get("params", {})
-    assert sorted(c.key() for c in new.valid_configs()) == sorted(c.key() for c in old.valid_configs())
-    assert [s.key() for s in new.search.listed_seeds] == [s.key() for s in old.search.listed_seeds]
+    assert (sorted(c.key() for c in new.valid_configs() if c.get("SPLITS") != 0)
+            == sorted(c.key() for c in old.valid_configs()))
+    assert ([s.key() for s in new.search.listed_seeds if s.get("SPLITS") != 0]
+            == [s.key() for s in old.search.listed_seeds])
 
 
 def _doc(name: str) -> dict:

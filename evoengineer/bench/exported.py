@@ -3,8 +3,11 @@ causal) and what is timed on each (``calls``), the targets on them (``targets``)
 
 On a row: evo (``module.attention``, the fast path), evo op (``torch.ops.<ns>.attention``,
 through the dispatcher), sdpa (``F.scaled_dot_product_attention``, torch's own backend
-choice), each interleaved in rounds; then sdpa flash|cudnn|efficient, each backend forced, once
-(a reference; the sdpa_kernel context costs host time of its own).
+choice), each interleaved in rounds, and fa4 (flash-attn-4's ``flash_attn.cute``, on (B, S, H, D)
+copies of the same inputs) where it is installed; then sdpa flash|cudnn|efficient, each backend
+forced, once (a reference; the sdpa_kernel context costs host time of its own). A decode row
+(q_len 1) also reads as bandwidth: the bytes of K and V over each device time (``kv_gbs``),
+against the GPU's memory bandwidth (``hbm_peak_gbs``).
 """
 from __future__ import annotations
 
@@ -26,6 +29,10 @@ SHAPES = [  # name, (B, H, H_kv, S_q, S_k, D), causal flags
     ("B4 H16 S2048 D128", (4, 16, 16, 2048, 2048, 128), (False, True)),
     ("B8 H32 S1/4096 D128", (8, 32, 32, 1, 4096, 128), (False,)),         # decode: q_len 1 over the cache
     ("B8 H32/8 S1/4096 D128", (8, 32, 8, 1, 4096, 128), (False,)),
+    ("B2 H28/4 S1/6000 D128", (2, 28, 4, 1, 6000, 128), (False,)),      # a few sequences over a long cache
+    ("B4 H16 S1/4096 D64", (4, 16, 16, 1, 4096, 64), (False,)),
+    ("B64 H32/8 S1/2048 D128", (64, 32, 8, 1, 2048, 128), (False,)),
+    ("B1 H32 S1/32768 D128", (1, 32, 32, 1, 32768, 128), (False,)),
     ("B2 H32/8 S2048 D128 GQA", (2, 32, 8, 2048, 2048, 128), (False, True)),
     ("B1 H32 S8192 D128", (1, 32, 32, 8192, 8192, 128), (False, True)),
 ]
@@ -34,7 +41,56 @@ BACKENDS = ("flash", "cudnn", "efficient")
 COLUMNS = ("device_us", "device_spread_us", "eager_us", "eager_spread_us", "overhead_us", "host_us", "sync_us",
            "graph_us", "graph1_us")
 ROUNDS = 3               # interleaved rounds of evo, evo op and sdpa (forced backends: once, after them)
-PAIRED = ("evo", "evo op", "sdpa")
+PAIRED = ("evo", "evo op", "sdpa", "fa4")
+"""Implementations interleaved in rounds (fa4 where installed); the forced SDPA backends are timed once after."""
+
+
+def decode_shapes() -> list[tuple]:
+    """The rows of ``SHAPES`` with one query (decode over a K/V cache)."""
+    return [shape for shape in SHAPES if shape[1][3] == 1]
+
+
+def kv_bytes(dims: tuple, element_bytes: int = 2) -> int:
+    """Bytes of K and V a call over ``dims`` (B, H, H_kv, S_q, S_k, D) reads at least."""
+    batch, _, heads_kv, _, seq_k, head_dim = dims
+    return 2 * batch * heads_kv * seq_k * head_dim * element_bytes
+
+
+def hbm_peak_gbs(device: int = 0) -> float | None:
+    """The GPU's memory bandwidth in GB/s (double data rate x bus width), None where the driver
+    does not tell."""
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        clock_khz = rt.deviceGetAttribute(rt.cudaDevAttrMemoryClockRate, device)
+        bus_bits = rt.deviceGetAttribute(rt.cudaDevAttrGlobalMemoryBusWidth, device)
+    except Exception:  # noqa: BLE001 - the figure is a reference only
+        return None
+    return 2.0 * clock_khz * 1e3 * bus_bits / 8 / 1e9 if clock_khz and bus_bits else None
+
+
+def fa4_available() -> bool:
+    """Whether flash-attn-4 (``flash_attn.cute``) can be imported."""
+    try:
+        from flash_attn.cute import flash_attn_func  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent or broken: no fa4 column
+        return False
+    return True
+
+
+BANDWIDTH_IMPLS = ("evo", "sdpa", "fa4")
+
+
+def bandwidth_line(rows: list[dict], kv: int, peak: float | None) -> str:
+    """A decode row's K/V bandwidth by device time (evo, sdpa, fa4), within 80 columns:
+    ``  K+V 24.6 MB, GB/s (% of 3352): evo 2410 (72%), sdpa 1080 (32%), fa4 2000 (60%)``."""
+    parts = []
+    for r in rows:
+        if r["status"] == "ok" and r["impl"] in BANDWIDTH_IMPLS:
+            gbs = kv / (r["device_us"] * 1e-6) / 1e9
+            parts.append(f"{r['impl']} {gbs:.0f}" + (f" ({gbs / peak:.0%})" if peak else ""))
+    return f"  K+V {kv / 1e6:.1f} MB, GB/s" + (f" (% of {peak:.0f})" if peak else "") + ": " + ", ".join(parts)
 
 
 def load_module(directory: Path) -> Any:
@@ -78,8 +134,10 @@ def make_inputs(dims: tuple, dtype: Any, sets: int, seed: int = 0) -> list[tuple
     return out
 
 
-def implementations(module: Any, causal: bool, gqa: bool) -> dict[str, Callable[..., Any]]:
-    """name -> call (q, k, v): the export (``evo``), its custom op, SDPA, each SDPA backend forced."""
+def implementations(module: Any, causal: bool, gqa: bool, sets: list[tuple] | None = None) -> dict[str, Callable[..., Any]]:
+    """name -> call (q, k, v): the export (``evo``), its custom op, SDPA, flash-attn-4 (``fa4``, on
+    (B, S, H, D) copies of ``sets`` made here, where it is installed and ``sets`` given), each
+    SDPA backend forced."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -97,6 +155,11 @@ def implementations(module: Any, causal: bool, gqa: bool) -> dict[str, Callable[
         "evo op": lambda q, k, v: op(q, k, v, causal, None, gqa),
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
     }
+    if sets is not None and fa4_available():
+        from flash_attn.cute import flash_attn_func
+
+        copies = {id(q): tuple(t.transpose(1, 2).contiguous() for t in (q, k, v)) for q, k, v in sets}
+        impls["fa4"] = lambda q, k, v: flash_attn_func(*copies[id(q)], causal=causal)
     for backend in BACKENDS:
         impls[f"sdpa {backend}"] = forced(backend)
     return impls
@@ -190,15 +253,20 @@ def _cupy_args(module: Any, plan: dict, q: Any, k: Any, v: Any) -> tuple:
     values = module.arguments.scalar_values(batch, heads, k.shape[1], seq_q, k.shape[2], strides(q), strides(k),
                                             strides(v), strides(q), module.LOG2E / math.sqrt(head_dim))
     arguments = plan["arguments"]
-    values.update(Q=q.data_ptr(), K=k.data_ptr(), V=v.data_ptr(), O=arguments.O, WS=arguments.WS)
+    values.update(Q=q.data_ptr(), K=k.data_ptr(), V=v.data_ptr(), O=arguments.O, WS=arguments.WS,
+                  kv_splits=plan.get("kv_splits", 1))
     return tuple(kinds[kind](values[name]) for name, kind in module.KERNELS[plan["kernel"]]["args"])
 
 
 def measure_export(module: Any, shapes: list[tuple], dtypes: list[str], calls: int, repetitions: int, rounds: int,
-                   backends: bool = True, say: Callable[[str], None] = print) -> tuple[list[dict], list[str]]:
+                   backends: bool = True, say: Callable[[str], None] = print, peers: bool = True
+                   ) -> tuple[list[dict], list[str]]:
     """Every row of ``shapes`` x ``dtypes`` x causal flags measured (``say`` gets each row's block
-    of lines, and each skipped row's note): (result rows, one per implementation, and notes)."""
+    of lines, and each skipped row's note): (result rows, one per implementation, and notes).
+    ``peers``: fa4 beside SDPA where it is installed."""
     import torch
+
+    peak = hbm_peak_gbs()
 
     results: list[dict] = []
     notes: list[str] = []
@@ -217,19 +285,31 @@ def measure_export(module: Any, shapes: list[tuple], dtypes: list[str], calls: i
                 sets = make_inputs(dims, dtype, cold_set_count(attention_set_bytes(*dims)))
                 plan = module.explain(*sets[0], is_causal=causal, enable_gqa=gqa)
                 err = max_error(module, sets, causal, gqa)
-                impls = {k: fn for k, fn in implementations(module, causal, gqa).items()
+                impls = {k: fn for k, fn in implementations(module, causal, gqa, sets if peers else None).items()
                          if backends or not k.startswith("sdpa ")}
                 per_round = measure_rounds(impls, sets, calls, max(5, repetitions // rounds), rounds, PAIRED)
                 rows = [combine_rounds(impl, per_round[impl]) for impl in impls]
                 ratio = speedups(rows)
-                for line in block_lines(f"{title}: {plan['config'][:6]} {plan['short']}", rows, ratio, err):
+                versus_fa4 = speedups(rows, theirs="fa4")
+                splits = f" ({plan.get('kv_splits', 1)} K/V splits)" if plan.get("kv_splits", 1) > 1 else ""
+                for line in block_lines(f"{title}: {plan['config'][:6]} {plan['short']}{splits}", rows, ratio, err):
                     say(line)
+                if versus_fa4:
+                    say(f"  ×fa4 device {versus_fa4['device_us']:.2f} eager {versus_fa4['eager_us']:.2f}")
+                kv = kv_bytes(dims) if seq_q == 1 else 0
+                if kv:
+                    say(bandwidth_line(rows, kv, peak))
                 for r in rows:
                     results.append({"shape": name, "dtype": dtype_name, "causal": causal, "batch": batch, "heads": heads,
                                     "heads_kv": heads_kv, "seq_q": seq_q, "seq_k": seq_k, "head_dim": head_dim,
-                                    "config": plan["config"], "max_abs_err": err, **r,
+                                    "config": plan["config"], "kv_splits": plan.get("kv_splits", 1), "max_abs_err": err, **r,
+                                    **({"kv_bytes": kv, "kv_gbs": kv / (r["device_us"] * 1e-6) / 1e9,
+                                        **({"kv_hbm_fraction": kv / (r["device_us"] * 1e-6) / 1e9 / peak} if peak else {})}
+                                       if kv and r["status"] == "ok" else {}),
                                     **({f"speedup_{k}": v for k, v in ratio.items() if not k.startswith(("overhead", "graph_per"))}
-                                       if r["impl"] == "evo" else {})})
+                                       if r["impl"] == "evo" else {}),
+                                    **({f"speedup_fa4_{k}": versus_fa4[k] for k in ("device_us", "eager_us")}
+                                       if r["impl"] == "evo" and versus_fa4 else {})})
                 del sets
                 torch.cuda.empty_cache()
     return results, notes
@@ -241,7 +321,8 @@ def write_results(out: Path, doc: dict, results: list[dict]) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(doc, indent=2, default=str))
-    fields = ["shape", "dtype", "causal", "impl", "status", *COLUMNS, "max_abs_err", "config", "reason"]
+    fields = ["shape", "dtype", "causal", "impl", "status", *COLUMNS, "kv_gbs", "kv_splits", "max_abs_err", "config",
+              "reason"]
     with (out / "results.csv").open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()

@@ -16,6 +16,8 @@ from typing import Any
 
 from ..kernels import Rendered
 from ..kernels.render import FEATURE_ARGS
+from ..runtime.grid import call_splits, runs
+from ..runtime.loading import resident_ctas
 from .tensormap import MapStorage, TensorMapError, check_address, driver, map_geometry, pack_arguments
 
 LOG2E = 1.4426950408889634
@@ -45,6 +47,26 @@ class AttentionKernel:
             self._functions.append(fn)
         self._workspace: Any = None
         self._maps = MapStorage(len(self.rendered.tensor_maps)) if self.rendered.tensor_maps else None
+        self._slots: dict[Any, int] = {}
+
+    def splits(self, q: Any, k: Any) -> int:
+        """The K/V split count of a call on these tensors: ``runtime.grid.call_splits`` on whole
+        waves of this kernel's resident CTAs on q's device (what an export runs for the same shape);
+        1 for a kernel without a per-call split."""
+        auto = next(((fn, launch) for fn, launch in zip(self._functions, self.rendered.launches)
+                     if launch.auto_split is not None), None)
+        if auto is None:
+            return 1
+        slots = self._slots.get(q.device)
+        if slots is None:
+            import cupy
+
+            fn, launch = auto
+            with cupy.cuda.Device(q.get_device()):
+                slots = self._slots[q.device] = multiprocessors(q.device) * resident_ctas(
+                    int(fn.kernel.ptr), launch.threads, launch.smem)
+        batch, heads, seq_q = q.shape[0], q.shape[1], q.shape[2]
+        return call_splits(self.rendered.launches, batch, heads, k.shape[1], seq_q, k.shape[2], slots)
 
     def check(self, q: Any, k: Any, v: Any, out: Any) -> None:
         """Raise LaunchError unless the tensors fit this kernel: q and out (B, H, S_q, D), k and v
@@ -95,7 +117,8 @@ class AttentionKernel:
         batch, heads, seq_q, head_dim = q.shape
         seq_k = k.shape[2]
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        ws_floats = self.rendered.workspace_floats(batch, heads, seq_q)
+        splits = self.splits(q, k)
+        ws_floats = self.rendered.workspace_floats(batch, heads, seq_q, splits)
         ws_ptr = 0
         if workspace is not None:
             if (workspace.dtype != torch.float32 or workspace.device != q.device or not workspace.is_contiguous()
@@ -118,8 +141,8 @@ class AttentionKernel:
             ws_ptr = counter.data_ptr()
         extra = feature_values(features)
         if self._maps is not None:
-            values = {**argument_values(q, k, v, out, ws_ptr, scale * LOG2E), **extra}
-            self._launch_with_maps(q, k, v, out, values)
+            values = {**argument_values(q, k, v, out, ws_ptr, scale * LOG2E), **extra, "kv_splits": splits}
+            self._launch_with_maps(q, k, v, out, values, splits)
             del counter  # the launch is queued: the counter's memory may go back to torch's allocator
             return out
         args = (
@@ -130,14 +153,17 @@ class AttentionKernel:
             cupy.float32(scale * LOG2E),
             *({"ptr": cupy.uint64, "i32": cupy.int32, "f32": cupy.float32}[kind](extra[name])
               for feature in self.rendered.features for name, kind in FEATURE_ARGS[feature]),
+            *((cupy.int32(splits),) if self.rendered.auto_split else ()),
         )
         with cupy_stream(torch.cuda.current_stream(q.device)):
             for launch, fn in zip(self.rendered.launches, self._functions):
-                grid = launch.grid(batch, heads, seq_q, multiprocessors(q.device), heads_kv=k.shape[1])
+                if not runs(launch, splits):
+                    continue
+                grid = launch.grid(batch, heads, seq_q, multiprocessors(q.device), heads_kv=k.shape[1], splits=splits)
                 fn(grid, launch.block, args, shared_mem=launch.smem)
         return out
 
-    def _launch_with_maps(self, q: Any, k: Any, v: Any, out: Any, values: dict) -> Any:
+    def _launch_with_maps(self, q: Any, k: Any, v: Any, out: Any, values: dict, splits: int = 1) -> Any:
         """Encode the tensor maps of this call's tensors and launch through the driver."""
         import cupy
         import torch
@@ -159,7 +185,9 @@ class AttentionKernel:
         stream = torch.cuda.current_stream(q.device).cuda_stream
         with cupy.cuda.Device(q.get_device()):
             for launch, fn in zip(self.rendered.launches, self._functions):
-                grid = launch.grid(batch, heads, seq_q, multiprocessors(q.device), heads_kv=k.shape[1])
+                if not runs(launch, splits):
+                    continue
+                grid = launch.grid(batch, heads, seq_q, multiprocessors(q.device), heads_kv=k.shape[1], splits=splits)
                 cupy.cuda.driver.launchKernel(fn.kernel.ptr, *grid, *launch.block, launch.smem,
                                               stream, packed.address, 0)
         return out

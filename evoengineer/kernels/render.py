@@ -15,7 +15,12 @@ with ``WS`` pointing to a 32-bit counter the launcher zeroes before every call (
 outnumber the CTAs, to ``1 + CTAs * c`` zeroed words followed, from the next 16-byte boundary,
 by ``CTAs * f`` floats: the counters and partial results of tiles cut over several CTAs); with
 ``"pack_gqa": true``, over ``(ceil(S_q * H / H_kv / rows_per_cta), B * H_kv, grid_z)`` (the
-rows of a CTA are the query heads that share a K/V head, position by position); launches
+rows of a CTA are the query heads that share a K/V head, position by position); with
+``"auto_split": {"block_n": n, "kv_groups": g}``, over the call's K/V split count in z
+(``runtime.grid.call_splits``, passed as the argument ``int kv_splits`` too) instead of grid_z,
+and a launch with ``"split_combine": true`` runs only where that count is above 1, the
+workspace then ``// WORKSPACE_FLOATS_PER_SPLIT_ROW`` floats per row and split on top of
+``// WORKSPACE_FLOATS_PER_ROW``'s (``int kv_splits`` follows the features' arguments). Launches
 run in order with the same arguments (a split-K/V kernel followed by its combine
 step, say). Every kernel takes the same argument list, see ``KERNEL_ARGS``, followed by
 one ``const __grid_constant__ CUtensorMap`` per ``// TENSOR_MAP`` line, in their order
@@ -41,7 +46,8 @@ import jinja2
 
 from .. import paths
 from ..resources import template_names, templates_dir
-from ..runtime.kernel_file import LaunchSpec
+from ..runtime.grid import workspace_floats
+from ..runtime.kernel_file import LaunchSpec, auto_split_json
 from ..space import Config, Variant
 
 KERNEL_ARGS = (
@@ -67,6 +73,9 @@ FEATURE_ARGS = {
 sorted feature order): per-batch key ranges (int32 pointers, null: none), the soft cap, packed
 sequences' offsets (int32 pointers, batch + 1 each; null: the dense layout), the window's sides
 (``runtime.features``)."""
+SPLIT_ARGS = [("kv_splits", "i32")]
+"""What a kernel whose K/V split count is chosen per call (an ``auto_split`` launch) takes after
+its features' arguments: that count (``runtime.grid.call_splits``)."""
 
 
 Launch = LaunchSpec
@@ -130,14 +139,16 @@ class Rendered:
     launches: tuple[Launch, ...]
     workspace_floats_per_row: int = 0
     tensor_maps: tuple[TensorMapArg, ...] = ()
+    workspace_floats_per_split: int = 0
+    """Floats per row and K/V split of a kernel whose split count is chosen per call (above 1)."""
 
     @property
     def arguments(self) -> list[tuple[str, str]]:
         """(name, kind) of every kernel parameter: ``KERNEL_ARGS``, the arguments of its features
-        (``FEATURE_ARGS``, in the order of ``runtime.features.SWITCHES``), then one ``tmap`` per
-        tensor map."""
+        (``FEATURE_ARGS``, in the order of ``runtime.features.SWITCHES``), the split count of a
+        kernel that chooses it per call (``SPLIT_ARGS``), then one ``tmap`` per tensor map."""
         return (parameter_kinds(KERNEL_ARGS) + [a for name in self.features for a in FEATURE_ARGS[name]]
-                + [(m.arg, "tmap") for m in self.tensor_maps])
+                + (SPLIT_ARGS if self.auto_split else []) + [(m.arg, "tmap") for m in self.tensor_maps])
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -159,8 +170,15 @@ class Rendered:
         """A launch takes its work tiles from a counter: WS points to 32 zeroed bits per call."""
         return any(launch.tile_counter for launch in self.launches)
 
-    def workspace_floats(self, batch: int, heads: int, seq_q: int) -> int:
-        return batch * heads * seq_q * self.workspace_floats_per_row
+    @property
+    def auto_split(self) -> bool:
+        """Its K/V split count is chosen per call (``runtime.grid.call_splits``)."""
+        return any(launch.auto_split is not None for launch in self.launches)
+
+    def workspace_floats(self, batch: int, heads: int, seq_q: int, splits: int = 1) -> int:
+        """Floats of its workspace for a call with ``splits`` K/V splits (``runtime.grid.workspace_floats``)."""
+        return workspace_floats(self.workspace_floats_per_row, self.workspace_floats_per_split, batch, heads, seq_q,
+                                splits)
 
     def launch_metadata(self) -> dict:
         return {
@@ -172,10 +190,11 @@ class Rendered:
                  **({"persistent": True} if l.persistent else {}), **({"pack_gqa": True} if l.pack_gqa else {}),
                  **({"tile_counter": True} if l.tile_counter else {}),
                  **({"split_tail": {"counter_words_per_cta": l.split_tail[0], "floats_per_cta": l.split_tail[1]}}
-                    if l.split_tail else {})}
+                    if l.split_tail else {}), **auto_split_json(l)}
                 for l in self.launches
             ],
             "workspace_floats_per_row": self.workspace_floats_per_row,
+            **({"workspace_floats_per_split": self.workspace_floats_per_split} if self.workspace_floats_per_split else {}),
             "kernel_args": KERNEL_ARGS + "".join(f", {TENSOR_MAP_PARAM} {m.arg}" for m in self.tensor_maps),
             "tensor_maps": [m.to_json() for m in self.tensor_maps],
         }
@@ -242,10 +261,10 @@ def derived(config: Config, variant: Variant, template: str = paths.FORWARD_TEMP
 
 def from_source(template: str, config: Config, variant: Variant, source: str) -> Rendered:
     """A ``Rendered`` from source text that carries its own ``// LAUNCH`` lines (a saved candidate)."""
-    launches, workspace, maps = _parse_metadata(source)
+    launches, workspace, maps, per_split = _parse_metadata(source)
     if not launches:
         raise RenderError(f"template {template!r} declared no '// LAUNCH' line")
-    return Rendered(config, variant, template, source, tuple(launches), workspace, tuple(maps))
+    return Rendered(config, variant, template, source, tuple(launches), workspace, tuple(maps), per_split)
 
 
 def tensor_map_arg(meta: dict) -> TensorMapArg:
@@ -266,15 +285,21 @@ def declared_tensor_maps(source: str) -> list[TensorMapArg]:
     return _parse_metadata(source)[2]
 
 
+def _auto_split(meta: dict | None) -> tuple[int, int] | None:
+    if meta is None:
+        return None
+    return int(meta["block_n"]), int(meta["kv_groups"])
+
+
 def _split_tail(meta: dict | None) -> tuple[int, int] | None:
     if meta is None:
         return None
     return int(meta["counter_words_per_cta"]), int(meta["floats_per_cta"])
 
 
-def _parse_metadata(source: str) -> tuple[list[Launch], int, list[TensorMapArg]]:
+def _parse_metadata(source: str) -> tuple[list[Launch], int, list[TensorMapArg], int]:
     launches: list[Launch] = []
-    workspace = 0
+    workspace = per_split = 0
     maps: list[TensorMapArg] = []
     for line in source.splitlines():
         stripped = line.strip()
@@ -291,10 +316,14 @@ def _parse_metadata(source: str) -> tuple[list[Launch], int, list[TensorMapArg]]
                     pack_gqa=bool(meta.get("pack_gqa", False)),
                     tile_counter=bool(meta.get("tile_counter", False)),
                     split_tail=_split_tail(meta.get("split_tail")),
+                    auto_split=_auto_split(meta.get("auto_split")),
+                    split_combine=bool(meta.get("split_combine", False)),
                 )
             )
         elif stripped.startswith("// WORKSPACE_FLOATS_PER_ROW "):
             workspace = int(stripped.split()[-1])
+        elif stripped.startswith("// WORKSPACE_FLOATS_PER_SPLIT_ROW "):
+            per_split = int(stripped.split()[-1])
         elif stripped.startswith("// TENSOR_MAP "):
             maps.append(tensor_map_arg(json.loads(stripped[len("// TENSOR_MAP ") :])))
-    return launches, workspace, maps
+    return launches, workspace, maps, per_split

@@ -8,7 +8,7 @@ configuration of it (a space file restates none of them) and lets constraints ca
 (``smem_bytes()``, ``threads()``); the renderer hands the budgets to the template; the tests
 compare the template's launches with them.
 
-This is the first stage of the package: it imports no other.
+It imports no other stage but the runtime (the mma path's split rule is written there, for exports).
 """
 from __future__ import annotations
 

@@ -1,7 +1,17 @@
 """The mma path: mma.sync m16n8k16 with ldmatrix, cp.async K/V stages, optional K/V splits
-over CTAs (SPLITS, then a combine launch) and over the warps of a CTA (KV_GROUPS)."""
+over CTAs (SPLITS, then a combine launch) and over the warps of a CTA (KV_GROUPS).
+
+SPLITS 0 leaves the split count to the call: ``decode_splits`` chooses it from the shape (whole
+waves of resident CTAs, every split at least a K/V tile per warp group), the launcher puts it in
+the grid and sizes the workspace by it, and one split skips the combine launch. The rule is
+written in ``runtime.grid``, which every export copies, so that the search's launcher and every
+exported module run this same function.
+"""
 from __future__ import annotations
 
+from typing import Any
+
+from ..runtime.grid import MAX_SPLITS, decode_splits
 from .base import KernelPath, Scope, head_dims_rule, rule, scope_head_dims
 
 NAME = "mma"
@@ -46,5 +56,18 @@ RULES = (
          lambda c: smem_bytes(c, c["MAX_HEAD_DIM"]) <= c["SMEM_LIMIT"]),
 )
 
+AUTO_SPLITS = 0
+"""The SPLITS value that leaves the K/V split count to each call (``decode_splits``)."""
+
+
+def label(values: dict[str, Any]) -> None:
+    """``sauto`` for SPLITS 0 (the split count chosen per call), in place."""
+    if values.get("SPLITS") == AUTO_SPLITS:
+        values["SPLITS"] = "auto"
+
+
 PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=lambda c: 32 * c["WARPS"], rows_per_cta=lambda c: c["BLOCK_M"],
-                  defaults=DEFAULTS, head_dims=HEAD_DIMS)
+                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS)
+
+__all__ = ["AUTO_SPLITS", "DEFAULTS", "HEAD_DIMS", "MAX_SPLITS", "NAME", "PARAMS", "PATH", "RULES", "decode_splits", "label",
+           "smem_bytes"]

@@ -40,7 +40,7 @@ MODULE_NAME = "evo_attention"
 
 from ..runtime.features import POINTER_ARGS as FEATURE_POINTERS
 from ..runtime.features import SCALAR_ARGS as FEATURE_SCALARS
-from ..runtime.kernel_file import POINTER_ARGS
+from ..runtime.kernel_file import POINTER_ARGS, auto_split_json
 from ..runtime.kernel_file import SCALAR_ARGS as KNOWN_SCALARS
 
 RUNTIME_DIR = Path(runtime.__file__).resolve().parent
@@ -432,7 +432,8 @@ def _decode_note(per: PerShape, dispatch: dict, table: list[tuple[Shape, str]]) 
         "note": "q_len = 1 (decode) calls go to the nearest measured decode case (S_q = 1) of their variant where it has "
                 "any (a search of a decode space, e.g. h100-decode, exported with the prefill run), otherwise to the "
                 "nearest case; a split-K/V configuration (SPLITS > 1: K/V split over CTAs, then a combine launch with a "
-                "workspace) that wins a decode case serves the decode calls near it",
+                "workspace) that wins a decode case serves the decode calls near it; one with SPLITS 0 chooses its "
+                "split count per call from the shape (runtime.grid.decode_splits: whole waves of resident CTAs)",
     }
 
 
@@ -441,4 +442,4 @@ def _launch(launch: Any) -> dict:
             "rows_per_cta": launch.rows_per_cta, "grid_z": launch.grid_z, "persistent": launch.persistent,
             "pack_gqa": launch.pack_gqa, "tile_counter": launch.tile_counter,
             **({"split_tail": {"counter_words_per_cta": launch.split_tail[0], "floats_per_cta": launch.split_tail[1]}}
-               if launch.split_tail else {})}
+               if launch.split_tail else {}), **auto_split_json(launch)}

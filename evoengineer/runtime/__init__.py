@@ -42,7 +42,8 @@ Each kernel is compiled at first use by NVRTC (cupy.RawModule) for the GPU prese
 with cupy.cuda.driver.launchKernel on torch's current stream, reading and writing the tensors in
 place through their strides; kernels that load by TMA also take tensor maps (cuTensorMapEncodeTiled
 through ctypes). Each call runs one configuration, chosen by the nearest measured case
-(DISPATCH_RULE). Per shape, strides, dtype and device the plan is prepared once (per thread);
+(DISPATCH_RULE); a configuration with SPLITS 0 splits the K/V range over as many CTAs as the
+call's shape needs to fill the GPU (grid.decode_splits; explain() tells the count). Per shape, strides, dtype and device the plan is prepared once (per thread);
 a repeated call only reads the pointers, allocates the output and launches.
 
 It is also the torch custom op torch.ops.<OP_NAMESPACE>.attention (with attention_lse and

@@ -28,8 +28,9 @@ ARG_KINDS = ("ptr", "i32", "i64", "f32", "tmap")
 POINTER_ARGS = ("Q", "K", "V", "O", "WS")
 """The kernel's pointer arguments, in the roles the runtime fills per call."""
 SCALAR_ARGS = ("B", "H", "H_kv", "S_q", "S_k", "q_sb", "q_sh", "q_ss", "k_sb", "k_sh", "k_ss",
-               "v_sb", "v_sh", "v_ss", "o_sb", "o_sh", "o_ss", "scale_log2")
-"""The scalar arguments the runtime knows how to fill."""
+               "v_sb", "v_sh", "v_ss", "o_sb", "o_sh", "o_ss", "scale_log2", "kv_splits")
+"""The scalar arguments the runtime knows how to fill (``kv_splits``: the call's K/V split count,
+``grid.call_splits``, of a kernel that takes it)."""
 MAP_TENSORS = ("q", "k", "v", "out")
 MAP_SWIZZLES = (0, 32, 64, 128)
 FEATURE_GQA = "gqa"
@@ -77,6 +78,11 @@ class LaunchSpec:
     split_tail: tuple[int, int] | None = None
     """(counter words, floats) per CTA of a tile-counter kernel that cuts its last tiles over
     every CTA, else None."""
+    auto_split: tuple[int, int] | None = None
+    """(BLOCK_N, KV_GROUPS) of a launch whose K/V split count is chosen per call (its grid's z:
+    ``grid.call_splits``), else None (``grid_z`` fixed)."""
+    split_combine: bool = False
+    """A combine step that runs only where the call's K/V range is split (``grid.runs``)."""
 
     def counter_words(self, batch: int, heads: int, seq_q: int, sms: int) -> tuple[int, int]:
         """(32-bit words of WS, how many of them are zeroed first) for a tile-counter launch on
@@ -84,11 +90,12 @@ class LaunchSpec:
         return counter_words(self, batch, heads, seq_q, sms)
 
     def grid(self, batch: int, heads: int, seq_q: int, sms: int | None = None,
-             heads_kv: int | None = None) -> tuple[int, int, int]:
+             heads_kv: int | None = None, splits: int = 1) -> tuple[int, int, int]:
         """The launch grid (``grid.grid``); a persistent kernel gets at most ``sms`` CTAs (every
         work tile its own CTA when ``sms`` is None: correct, only not persistent); a packed one a
-        grid row per (batch, K/V head) (``heads_kv``: K/V heads, ``heads`` when None)."""
-        return grid(self, batch, heads, heads_kv or heads, seq_q, sms)
+        grid row per (batch, K/V head) (``heads_kv``: K/V heads, ``heads`` when None); one whose
+        split count is the call's (``auto_split``) ``splits`` in z."""
+        return grid(self, batch, heads, heads_kv or heads, seq_q, sms, splits)
 
     @property
     def threads(self) -> int:
@@ -100,7 +107,18 @@ class LaunchSpec:
                                "pack_gqa": self.pack_gqa, "tile_counter": self.tile_counter}
         if self.split_tail is not None:
             out["split_tail"] = {"counter_words_per_cta": self.split_tail[0], "floats_per_cta": self.split_tail[1]}
+        out.update(auto_split_json(self))
         return out
+
+
+def auto_split_json(launch: "LaunchSpec") -> dict[str, Any]:
+    """The keys of a launch's per-call split in kernel.json and ``// LAUNCH`` lines (none without one)."""
+    out: dict[str, Any] = {}
+    if launch.auto_split is not None:
+        out["auto_split"] = {"block_n": launch.auto_split[0], "kv_groups": launch.auto_split[1]}
+    if launch.split_combine:
+        out["split_combine"] = True
+    return out
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,9 @@ class KernelSpec:
     features: tuple[str, ...] = ()
     tensor_maps: tuple[TensorMapSpec, ...] = ()
     source: str = field(default="", repr=False)
+    workspace_floats_per_split: int = 0
+    """Workspace floats per output row and K/V split where the call's split count is chosen per
+    call and above 1 (``grid.workspace_floats``)."""
 
     @property
     def key(self) -> tuple:
@@ -142,7 +163,9 @@ class KernelSpec:
     def as_dict(self) -> dict[str, Any]:
         """The kernel as plain values (the ``KERNELS`` entries of an exported module)."""
         return {"launches": [launch.to_json() for launch in self.launches],
-                "workspace_floats_per_row": self.workspace_floats_per_row, "args": list(self.args),
+                "workspace_floats_per_row": self.workspace_floats_per_row,
+                **({"workspace_floats_per_split": self.workspace_floats_per_split}
+                   if self.workspace_floats_per_split else {}), "args": list(self.args),
                 "features": list(self.features), "tensor_maps": [m.to_json() for m in self.tensor_maps],
                 "source": self.source, "source_file": self.source_file}
 
@@ -382,16 +405,25 @@ def _kernel(entry: _Fields, directory: Path) -> KernelSpec:
         if launch.doc.get("split_tail") is not None:
             st = launch.obj("split_tail")
             split = (st.integer("counter_words_per_cta"), st.integer("floats_per_cta"))
+        auto = None
+        if launch.doc.get("auto_split") is not None:
+            at = launch.obj("auto_split")
+            auto = (at.integer("block_n", 1), at.integer("kv_groups", 1))
         block = launch.ints("block", 3)
         launches.append(LaunchSpec(kernel, (block[0], block[1], block[2]), launch.integer("smem"), launch.integer("rows_per_cta", 1),
                                    launch.integer("grid_z", 1, default=1), launch.flag("persistent", False),
-                                   launch.flag("pack_gqa", False), launch.flag("tile_counter", False), split))
+                                   launch.flag("pack_gqa", False), launch.flag("tile_counter", False), split, auto,
+                                   launch.flag("split_combine", False)))
     if not launches:
         entry.fail(entry.key("launches"), "empty")
+    if any(launch.split_combine for launch in launches) and ("kv_splits" not in names
+                                                             or not entry.doc.get("workspace_floats_per_split")):
+        entry.fail(entry.key("launches"), "a split_combine launch needs the argument kv_splits and "
+                                          "workspace_floats_per_split")
     features = entry.items("features")
     if not all(isinstance(f, str) for f in features):
         entry.fail(entry.key("features"), "expected a list of strings")
     source_file, source = entry.source("source", directory)
     return KernelSpec(entry.text("config"), entry.text("dtype", DTYPES), entry.integer("head_dim", 1), entry.flag("causal"),
                       source_file, tuple(args), tuple(launches), entry.integer("workspace_floats_per_row"),
-                      tuple(features), tuple(maps), source)
+                      tuple(features), tuple(maps), source, entry.integer("workspace_floats_per_split", default=0))

@@ -17,9 +17,9 @@ from .checks import DTYPE_NAMES, Coverage, check_inputs
 from .dispatch import DispatchTable
 from .features import POINTER_ARGS as RANGE_POINTERS
 from .features import PLAIN, CallFeatures, FallbackCounts, Uncovered, check_ranges, reference_attention, select_kernel
-from .grid import counter_words, grid
+from .grid import call_splits, counter_words, grid, runs, workspace_floats
 from .kernel_file import ExportData, KernelSpec
-from .loading import KernelCache, import_cupy
+from .loading import KernelCache, import_cupy, resident_ctas
 
 LOG2E = 1.4426950408889634
 MAX_GRID_ROWS = 65535
@@ -132,6 +132,8 @@ class Plan:
     """The kernel takes per-batch key ranges (``seqlens_k``, ``leftpad_k``), set per call."""
     varlen: bool = False
     """The kernel takes packed sequences' offsets (``cu_seqlens_q``, ``cu_seqlens_k``), set per call."""
+    splits: int = 1
+    """The K/V split count of a kernel that chooses it per call (``grid.call_splits``), else 1."""
 
 
 FEATURE_GRAD_REASON = ("a gradient is needed (q, k or v requires grad) and the backward kernels have no features "
@@ -239,21 +241,30 @@ class Launcher:
         values: dict[str, int | float] = {**scalar_values(batch, heads, heads_kv, seq_q, seq_k, *strides, scale * LOG2E),
                                           "Q": 0, "K": 0, "V": 0, "O": 0, "WS": 0,
                                           **features.values(), **{name: 0 for name in RANGE_POINTERS}}
-        packed = pack_arguments(spec.args, values, map_at or {})
-        sms = multiprocessors(device) if any(l.persistent or l.split_tail for l in spec.launches) else 0
-        launches = tuple((handle, *grid(launch, batch, heads, heads_kv, seq_q, sms), *launch.block, launch.smem)
-                         for (_, handle), launch in zip(functions, spec.launches))
-        ws_floats = batch * heads * seq_q * spec.workspace_floats_per_row
         cupy = import_cupy()
         if current_device() == device:
             cupy.cuda.runtime.setDevice(device)  # binds the device's context to this thread for the driver-API launch
+        splits = 1
+        auto = next(((handle, launch) for (_, handle), launch in zip(functions, spec.launches)
+                     if launch.auto_split is not None), None)
+        if auto is not None:  # the K/V split count of this shape: whole waves of resident CTAs
+            with cupy.cuda.Device(device):
+                slots = multiprocessors(device) * resident_ctas(auto[0], auto[1].threads, auto[1].smem)
+            splits = call_splits(spec.launches, batch, heads, heads_kv, seq_q, seq_k, slots)
+        values["kv_splits"] = splits
+        packed = pack_arguments(spec.args, values, map_at or {})
+        sms = multiprocessors(device) if any(l.persistent or l.split_tail for l in spec.launches) else 0
+        launches = tuple((handle, *grid(launch, batch, heads, heads_kv, seq_q, sms, splits), *launch.block, launch.smem)
+                         for (_, handle), launch in zip(functions, spec.launches) if runs(launch, splits))
+        ws_floats = workspace_floats(spec.workspace_floats_per_row, spec.workspace_floats_per_split, batch, heads, seq_q,
+                                     splits)
         counter = next((counter_words(launch, batch, heads, seq_q, sms) for launch in spec.launches
                         if launch.tile_counter), None)
         run = make_run(packed, launches, ws_floats, device, cupy.cuda.driver.launchKernel, maps, counter,
                        (batch, heads, seq_q) if lse else None)
         return Plan(run, cid, spec, launches, packed, ws_floats, counter, tuple(fn for fn, _ in functions), keep,
                     ranges=any(name == "seqlens_k" for name, _ in spec.args),
-                    varlen=any(name == "cu_seqlens_q" for name, _ in spec.args))
+                    varlen=any(name == "cu_seqlens_q" for name, _ in spec.args), splits=splits)
 
     def _encode_maps(self, spec: KernelSpec, q: Any, k: Any, v: Any, out_meta: Any
                      ) -> tuple[tuple[MapSlot, ...], dict[str, int], tuple[Any, ...]]:
@@ -304,6 +315,7 @@ class Launcher:
             "fallback_counts": counts, "features": list(plan.kernel.switches),
             "config": plan.config, "short": info.short, "params": info.params, "kernel": plan.kernel.key,
             "launches": [{"grid": l[1:4], "block": l[4:7], "smem": l[7]} for l in plan.launches],
+            "kv_splits": plan.splits,   # the K/V split count (above 1: a combine launch follows)
             # a tile counter: 4 zeroed bytes per call (more where the last tiles are cut over every CTA)
             "workspace_bytes": 4 * (plan.ws_floats or (plan.counter[0] if plan.counter else 0)),
             "handles": [l[0] for l in plan.launches], "params_address": plan.packed.address,

@@ -24,6 +24,15 @@ def import_cupy() -> Any:
     return cupy
 
 
+def resident_ctas(handle: int, threads: int, smem: int) -> int:
+    """CTAs of a kernel (its CUfunction ``handle``) that one multiprocessor holds at once, in blocks
+    of ``threads`` with ``smem`` bytes of dynamic shared memory: the driver's occupancy calculator
+    (registers, shared memory, threads), with the kernel's device current; at least 1. Times the
+    multiprocessors, the CTAs of one wave (``grid.decode_splits``' ``slots``)."""
+    cupy = import_cupy()
+    return max(1, int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(handle, threads, smem)))
+
+
 def required_arch(source: str) -> str | None:
     """``sm_90a`` where the kernel declares ``// REQUIRES_ARCH sm_90a``, else None."""
     for line in source.splitlines():
