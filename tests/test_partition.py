@@ -13,6 +13,7 @@ import yaml
 
 from evoengineer.cli.main import main
 from evoengineer.results import load_leaderboard, per_shape_winners
+from evoengineer.results.report import write_report
 from evoengineer.search import RunDir, check_records
 from evoengineer.search.partition import budget_shares, plan, split_cases
 from evoengineer.space import Config, load_space, parse_space
@@ -133,6 +134,9 @@ def test_each_partition_searches_its_own_valid_set_on_its_share_and_export_takes
     shown = capsys.readouterr().out
     assert "D64 bf16: 2 cases" in shown and "D128: 1 case" in shown
     assert max(map(len, shown.splitlines())) <= 80
+    page = write_report(run).read_text()
+    assert "best of D64 105.00 µs" in page and "best of D128 bf16" in page
+    assert "No importances: the search ran in 4 partitions" in page
 
 
 def test_partition_none_searches_one_geometric_mean_where_d64_only_configurations_never_come(
