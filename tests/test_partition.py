@@ -171,3 +171,37 @@ def test_a_resumed_search_continues_each_partitions_budget(tmp_path: Path, recor
     assert _search(space_yaml, recorded, tmp_path / "few", "--trials", "3") == 2
     assert "fewer evaluations than the 4 partitions" in capsys.readouterr().err
     assert not (tmp_path / "few").exists()
+
+
+def test_a_search_killed_in_its_second_partition_resumes_every_partitions_budget(
+        tmp_path: Path, recording: tuple[Path, Path]) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    space_yaml, recorded = recording
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "evoengineer", "search", "--space", str(space_yaml), "--replay", str(recorded),
+            "--run-dir", str(run), "--trials", "24", "--strategy", "evo", "--quiet"]
+    proc = subprocess.Popen([*args, "--replay-delay", "0.1"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        results = run / "results.jsonl"
+        if results.exists() and len(results.read_text().splitlines()) >= 8:
+            break
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = Counter(r["partition"] for r in RunDir(run).results())
+    assert before["D64"] == 6 and 0 < before["D64 bf16"] < 6 and not before["D128"]
+
+    resumed = subprocess.run([*args, "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    records = RunDir(run).results()
+    assert Counter(r["partition"] for r in records) == {"D64": 6, "D64 bf16": 6, "D128": 6, "D128 bf16": 6}
+    assert len({(r["partition"], r["key"]) for r in records}) == 24  # none lost, none repeated
+    assert check_records(RunDir(run)) == ""
