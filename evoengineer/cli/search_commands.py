@@ -211,9 +211,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         time_s, top_k = meta.get("time_s"), meta.get("top_k") or space.search.top_k
         storage = run.storage_url(meta["storage"])
         records, _ = run.read_results()  # a damaged record stops the resume here, before any evaluation
-        for part in plan(space, partition_by):
-            problem = study_problem(storage, part.study_name(meta.get("study_name") or run.name), meta.get("run_id"), run.sqlite_file(storage),
-                                    sum(1 for r in records if r.get("partition") == part.name), bool(meta.get("study_linked")))
+        for part in plan(space, partition_by):  # each partition's study
+            mine = sum(1 for r in records if r.get("partition") == part.name)
+            problem = study_problem(storage, part.study_name(meta.get("study_name") or run.name), meta.get("run_id"),
+                                    run.sqlite_file(storage), mine, bool(meta.get("study_linked")))
             if problem:
                 raise UsageError(f"--resume: {problem}")
         meta.setdefault("run_id", uuid.uuid4().hex)
@@ -321,7 +322,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     console.print(f"strategy {strategy}, budget {trials} evaluations" + (f" or {time_s / 60:.1f} min" if time_s else "")
                   + f", on {on}", soft_wrap=True)
     if len(partitions) > 1:
-        console.print(f"in {len(partitions)} partitions by {partition_by}, each its own valid set and strategy: "
+        console.print(f"{len(partitions)} partitions (--partition {partition_by}), one after the other, evaluations each: "
                       + ", ".join(f"{p.name} {p.trials}" for p in partitions), soft_wrap=True)
     console.print(f"dashboard: optuna-dashboard {storage}", soft_wrap=True)
 
@@ -451,12 +452,9 @@ def _finalize(run: RunDir, partitions: list[Partition], evaluators: list[Any], t
                                 f"interleaved with SDPA ({retime_rounds} rounds)"):
                 reports = [evaluator.build(part.space.config(r["config"])) for r in finalists]
                 retimed = retime(evaluator, reports, rounds=retime_rounds)
-            for key, value in retimed.items():
-                for name, per in value.items():
-                    if isinstance(per, dict) and isinstance(retimed_all[key].get(name), dict):
-                        retimed_all[key][name] = {**retimed_all[key][name], **per}
-                    else:
-                        retimed_all[key][name] = per
+            for section, rows in retimed_all.items():  # one file: per configuration and case, per case
+                for name, per in retimed.get(section, {}).items():
+                    rows[name] = {**rows.get(name, {}), **per} if isinstance(per, dict) else per
         flops = {c.label(): part.space.flops(c) for c in part.space.cases}
         boards.append((part.name or "", part.labels, build_leaderboard(finalists, retimed, baseline, flops, info.get("gpu", "?"))))
     if any(retimed_all.values()):
@@ -531,8 +529,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shape", action="append", metavar="B,H,S,D",
                    help="search only this shape of the space, full and causal (repeatable; default: every shape); "
                         "B,H,S/S_KV,D names a shape whose K/V length differs, e.g. 8,32,1/4096,128 (decode). "
-                        "One search per regime finds each its own winner, e.g. --shape 1,8,512,64 for the small, "
-                        "latency-bound shape")
+                        "A search of one shape finds its own winner, e.g. --shape 1,8,512,64 for the small, "
+                        "latency-bound shape (--partition shape: each shape so)")
     p.add_argument("--partition", choices=PARTITION_BY,
                    help="search each part of the space's cases on its own, as export dispatches: head-dim (default) "
                         "one search per dtype, head dim and decode or not, each with the configurations valid at "
