@@ -83,6 +83,7 @@ def test_partitions_follow_what_export_dispatches_on() -> None:
     assert [c.label() for c in d64.cases] == ["B1 H8 S512 D64", "B1 H8 S512 D64 causal", "B4 H16 S2048 D64",
                                               "B4 H16 S2048 D64 causal"]
     assert d64.valid_size() > h100.valid_size()  # configurations valid at D64 only join its search
+    assert len(d64.search.seeds) > len(h100.search.seeds)  # and so do its seeds valid at D64 only
     assert [name for name, _ in split_cases(h100, "shape")] == ["B1 H8 S512 D64", "B4 H16 S2048 D64", "B4 H16 S2048 D128"]
     assert [name for name, _ in split_cases(h100, "none")] == [""]
     decode = load_space("h100-decode")
