@@ -166,7 +166,9 @@ def test_a_backward_search_replays_on_two_devices_and_resumes_as_a_forward_one(t
                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr + resumed.stdout
     results = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
-    assert len(results) == 12 and len({r["key"] for r in results}) == 12
+    # fp16 and bf16 each a partition of the search: a configuration is evaluated once per partition
+    assert len(results) == 12 and len({(r["partition"], r["key"]) for r in results}) == 12
+    assert {r["partition"] for r in results} == {"D64", "D64 bf16"}
     recorded = {json.loads(line).get("key") for line in recording.read_text().splitlines()}
     ok = [r for r in results if r["status"] == "ok"]
     assert ok and {r["key"] for r in ok} <= recorded     # what the recording lacks is a status, never a time

@@ -35,6 +35,7 @@ from ..search import (
     study_problem,
 )
 from ..search.loop import writing
+from ..search.partition import DEFAULT_PARTITION, PARTITION_BY, Partition, narrow_evaluator, plan
 from ..search.optuna_internals import unsupported_reason
 from ..space import STRATEGIES, Space
 from .common import (EXIT_FAILED, EXIT_OK, EXIT_USAGE, WIDE_HELP, UsageError, duration, load_space, number, require_gpu,
@@ -199,20 +200,28 @@ def cmd_search(args: argparse.Namespace) -> int:
         if args.add_shape and sorted(args.add_shape) != sorted(meta.get("added_shapes") or []):
             raise UsageError(f"--resume: the run in {path} added shapes {meta.get('added_shapes') or 'none'}; "
                              "resume it without --add-shape")
+        recorded_by = meta.get("partition") or "none"  # a run from before partitions searched one
+        if args.partition and args.partition != recorded_by:
+            raise UsageError(f"--resume: the run in {path} was searched with --partition {recorded_by}; "
+                             "resume it without --partition")
+        partition_by = recorded_by
         space = restrict_shapes(space, meta.get("shapes"), meta.get("added_shapes"))
         _apply_resume_flags(args, meta, args.time, run, console)
         strategy, seed, trials = meta["strategy"], meta.get("seed") or 0, meta["trials"]
         time_s, top_k = meta.get("time_s"), meta.get("top_k") or space.search.top_k
         storage = run.storage_url(meta["storage"])
         records, _ = run.read_results()  # a damaged record stops the resume here, before any evaluation
-        problem = study_problem(storage, meta.get("study_name") or run.name, meta.get("run_id"), run.sqlite_file(storage),
-                                len(records), bool(meta.get("study_linked")))
-        if problem:
-            raise UsageError(f"--resume: {problem}")
+        for part in plan(space, partition_by):  # each partition's study
+            mine = sum(1 for r in records if r.get("partition") == part.name)
+            problem = study_problem(storage, part.study_name(meta.get("study_name") or run.name), meta.get("run_id"),
+                                    run.sqlite_file(storage), mine, bool(meta.get("study_linked")))
+            if problem:
+                raise UsageError(f"--resume: {problem}")
         meta.setdefault("run_id", uuid.uuid4().hex)
         meta.setdefault("run_name", run.name)
     else:
         space = restrict_shapes(space, args.shape, args.add_shape)
+        partition_by = args.partition or DEFAULT_PARTITION
         strategy, seed = args.strategy or space.search.strategy, args.seed or 0
         if args.run_dir and (Path(args.run_dir) / "run.json").exists():
             raise UsageError(f"--run-dir: {args.run_dir} already holds a run; add --resume to continue it")
@@ -232,8 +241,21 @@ def cmd_search(args: argparse.Namespace) -> int:
     else:
         require_gpu()
         evaluators, info, arch, space = _start_gpus(space, devices, seed, console)
+    if replay is not None and not replay.case_labels() and partition_by != "none":
+        if args.partition:  # a recording of geometric means alone cannot answer for a part of the cases
+            console.print(f"note: {replay.path.name} holds no per-case times: one search over every case "
+                          "(--partition none)", soft_wrap=True)
+        partition_by = "none"
 
     try:
+        try:
+            partitions = plan(space, partition_by, trials)
+        except ValueError as exc:
+            raise UsageError(f"--partition {partition_by}: {exc}") from None
+        if len(partitions) > 1 and any(p.trials < 1 for p in partitions):
+            raise UsageError(f"--trials {trials}: fewer evaluations than the {len(partitions)} partitions of the search "
+                             f"({', '.join(str(p.name) for p in partitions)}); give at least {len(partitions)}, "
+                             "or --partition none")
         if not args.resume:
             if args.run_dir:
                 path = Path(args.run_dir)
@@ -252,7 +274,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                     "storage": recorded_storage, "study_name": args.study or run.name, "run_id": uuid.uuid4().hex,
                     "run_name": run.name, "trials": trials, "time_s": time_s, "top_k": top_k,
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replay": str(replay.path) if replay else None,
-                    "shapes": args.shape or None, "added_shapes": args.add_shape or None}
+                    "shapes": args.shape or None, "added_shapes": args.add_shape or None, "partition": partition_by}
         if replay is None:
             if args.resume and (run.path / "baseline.json").exists():
                 baseline = json.loads((run.path / "baseline.json").read_text())
@@ -262,7 +284,8 @@ def cmd_search(args: argparse.Namespace) -> int:
                 run.write_json("baseline.json", baseline)
         elif baseline:
             run.write_json("baseline.json", baseline)
-        meta.update(gpu=info, arch=arch, devices=devices, case_flops={c.label(): space.flops(c) for c in space.cases})
+        meta.update(gpu=info, arch=arch, devices=devices, case_flops={c.label(): space.flops(c) for c in space.cases},
+                    partitions=[p.to_json(meta["study_name"]) for p in partitions] if len(partitions) > 1 else None)
         run.write_meta(meta)
         run.write_json("env.json", info)
     except BaseException:
@@ -273,47 +296,71 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     heartbeat = args.heartbeat or meta.get("heartbeat_s") or DEFAULT_HEARTBEAT_S
     meta["heartbeat_s"] = heartbeat
-    study = open_study(space, run, strategy=strategy, seed=seed, storage=storage, study_name=meta["study_name"],
-                       resume=bool(args.resume or args.study), heartbeat_s=heartbeat)
-    link_run(study, meta["run_id"], run.name)
+    studies = []  # one per partition, all in the run's storage
+    for part in partitions:
+        study = open_study(part.space, run, strategy=strategy, seed=seed, storage=storage,
+                           study_name=part.study_name(meta["study_name"]), resume=bool(args.resume or args.study),
+                           heartbeat_s=heartbeat)
+        link_run(study, meta["run_id"], run.name)
+        studies.append(study)
     if not meta.get("study_linked"):
         meta["study_linked"] = True
         run.write_meta(meta)
     if args.resume:
-        recovered = recover_interrupted(study, run, space)
+        recovered = sum(recover_interrupted(study, run, part.space, part.name) for part, study in zip(partitions, studies))
         if recovered:
             console.print(f"resumed: {recovered} interrupted evaluation(s) recovered")
     best_sdpa = fastest_sdpa(baseline)
-    sdpa_geomean = geomean([best_sdpa[c.label()][1] for c in space.cases]) if len(best_sdpa) == len(space.cases) else None
+
+    def sdpa_geomean(part: Partition) -> float | None:
+        times = [best_sdpa[label][1] for label in part.labels if label in best_sdpa]
+        return geomean(times) if times and len(times) == len(part.labels) else None
 
     on = f"{len(devices)} × {info.get('gpu')} (devices {','.join(map(str, devices))})" if len(devices) > 1 else info.get("gpu")
     # paths and commands on lines of their own, never wrapped, so that they copy whole
     console.print(f"run [bold]{run.path}[/]", soft_wrap=True)
     console.print(f"strategy {strategy}, budget {trials} evaluations" + (f" or {time_s / 60:.1f} min" if time_s else "")
                   + f", on {on}", soft_wrap=True)
+    if len(partitions) > 1:
+        console.print(f"{len(partitions)} partitions (--partition {partition_by}), one after the other, evaluations each: "
+                      + ", ".join(f"{p.name} {p.trials}" for p in partitions), soft_wrap=True)
     console.print(f"dashboard: optuna-dashboard {storage}", soft_wrap=True)
 
+    total = sum(p.trials for p in partitions)
     done_before = len(run.results())
-    with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    stats = SearchStats(devices=len(evaluators))
+    with Progress(TextColumn("[bold]search[/]{task.fields[part]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[best]}"), TextColumn("{task.fields[counts]}"), console=console,
                   disable=args.quiet or args.json) as progress:
-        task = progress.add_task("search", total=trials, completed=min(done_before, trials), best="", counts="")
+        task = progress.add_task("search", total=total, completed=min(done_before, total), best="", counts="", part="")
+        for index, (part, study) in enumerate(zip(partitions, studies)):
+            left_s = None if time_s is None else time_s - stats.elapsed_s
+            if left_s is not None and left_s <= 0:
+                break
+            for ev in evaluators:
+                narrow_evaluator(ev, part.space)
+            reference = sdpa_geomean(part)
+            best_here: list[float] = []
 
-        def on_result(result: EvalResult, stats: SearchStats) -> None:
-            best = ""
-            if stats.best:
-                best = f"best {stats.best.objective_us:.2f} µs"
-                if sdpa_geomean:
-                    best += f" ({sdpa_geomean / stats.best.objective_us:.2f}× fastest SDPA)"
-            counts = " ".join(f"{k} {v}" for k, v in stats.counts.items() if v)
-            progress.update(task, advance=1, best=best, counts=counts)
+            def on_result(result: EvalResult, stats: SearchStats) -> None:
+                if result.ok and (not best_here or result.objective_us < best_here[0]):
+                    best_here[:] = [result.objective_us]
+                best = ""
+                if best_here:
+                    best = f"best {best_here[0]:.2f} µs"
+                    if reference:
+                        best += f" ({reference / best_here[0]:.2f}× fastest SDPA)"
+                counts = " ".join(f"{k} {v}" for k, v in stats.counts.items() if v)
+                progress.update(task, advance=1, best=best, counts=counts)
 
-        stats = run_search(space, evaluators, run, study, arch=arch, trials=trials, time_s=time_s, on_result=on_result,
-                           build=not args.replay)
+            progress.update(task, part=f" {part.name}" if part.name else "", best="")
+            # the time left split evenly over the partitions still to run
+            run_search(part.space, evaluators, run, study, arch=arch, trials=part.trials,
+                       time_s=None if left_s is None else left_s / (len(partitions) - index), on_result=on_result,
+                       build=not args.replay, partition=part.name, stats=stats)
 
     summary = stats.summary()
-    finalists = best_results(run, top_k)
-    board = _finalize(run, space, evaluators[0], finalists, baseline, info, console,
+    board = _finalize(run, partitions, evaluators, top_k, baseline, info, console,
                       retime_rounds=0 if args.replay else args.retime_rounds)
     _close(evaluators)
     meta.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), summary=summary)
@@ -331,6 +378,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if board["entries"]:
         print_grid(console, leaderboard_grid(board), wide=args.wide)
         next_steps = [f"leaderboard: evoengineer leaderboard {run.path}", f"report:      evoengineer report {run.path}",
+                      f"export:      evoengineer export {run.path} --out best/" if len(partitions) > 1 else
                       f"export:      evoengineer export {run.path} --rank 1 --out best/"]
     else:
         next_steps = [f"no configuration passed: each one's status and reason are in {run.path / 'results.jsonl'}"]
@@ -384,21 +432,35 @@ def _close(evaluators: list[Any]) -> None:
             ev.close()
 
 
-def _finalize(run: RunDir, space: Space, evaluator: Any, finalists: list[dict], baseline: dict, info: dict,
+def _finalize(run: RunDir, partitions: list[Partition], evaluators: list[Any], top_k: int, baseline: dict, info: dict,
               console: Console, retime_rounds: int) -> dict:
-    from ..results import LEADERBOARD, build_leaderboard
+    """Each partition's ``top_k`` re-timed and ranked; the run's leaderboard (one board, in
+    sections per partition for a search in partitions) written and returned."""
+    from ..results import LEADERBOARD, build_leaderboard, merge_boards
 
-    retimed = None
-    if finalists and retime_rounds:
-        from ..bench import retime
+    evaluator = evaluators[0]
+    boards: list[tuple[str, list[str], dict]] = []
+    retimed_all: dict[str, dict] = {"candidates": {}, "failures": {}, "sdpa": {}}
+    for part in partitions:
+        finalists = best_results(run, top_k, part.name)
+        retimed = None
+        if finalists and retime_rounds:
+            from ..bench import retime
 
-        with console.status(f"re-timing the top {len(finalists)} interleaved with SDPA ({retime_rounds} rounds)"):
-            reports = [evaluator.build(space.config(r["config"])) for r in finalists]
-            retimed = retime(evaluator, reports, rounds=retime_rounds)
-        run.write_json("retimed.json", retimed)
-    flops = {c.label(): space.flops(c) for c in space.cases}
-    board = build_leaderboard(finalists, retimed, baseline, flops, info.get("gpu", "?"))
-    board.update(space=space.name, run=str(run.path))
+            narrow_evaluator(evaluator, part.space)
+            with console.status(f"re-timing the top {len(finalists)}{' of ' + part.name if part.name else ''} "
+                                f"interleaved with SDPA ({retime_rounds} rounds)"):
+                reports = [evaluator.build(part.space.config(r["config"])) for r in finalists]
+                retimed = retime(evaluator, reports, rounds=retime_rounds)
+            for section, rows in retimed_all.items():  # one file: per configuration and case, per case
+                for name, per in retimed.get(section, {}).items():
+                    rows[name] = {**rows.get(name, {}), **per} if isinstance(per, dict) else per
+        flops = {c.label(): part.space.flops(c) for c in part.space.cases}
+        boards.append((part.name or "", part.labels, build_leaderboard(finalists, retimed, baseline, flops, info.get("gpu", "?"))))
+    if any(retimed_all.values()):
+        run.write_json("retimed.json", retimed_all)
+    board = merge_boards(boards) if len(partitions) > 1 else boards[0][2]
+    board.update(space=partitions[0].space.name, run=str(run.path))
     run.write_json(LEADERBOARD, board)
     return board
 
@@ -467,8 +529,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shape", action="append", metavar="B,H,S,D",
                    help="search only this shape of the space, full and causal (repeatable; default: every shape); "
                         "B,H,S/S_KV,D names a shape whose K/V length differs, e.g. 8,32,1/4096,128 (decode). "
-                        "One search per regime finds each its own winner, e.g. --shape 1,8,512,64 for the small, "
-                        "latency-bound shape")
+                        "A search of one shape finds its own winner, e.g. --shape 1,8,512,64 for the small, "
+                        "latency-bound shape (--partition shape: each shape so)")
+    p.add_argument("--partition", choices=PARTITION_BY,
+                   help="search each part of the space's cases on its own, as export dispatches: head-dim (default) "
+                        "one search per dtype, head dim and decode or not, each with the configurations valid at "
+                        "its head dim and its share of the budget; shape: one per shape (what --shape does, for "
+                        "every shape); none: one geometric mean over every case")
     p.add_argument("--add-shape", action="append", metavar="B,H,S,D", dest="add_shape",
                    help="also search this shape, which the space does not list, full and causal, in the space's "
                         "dtypes (repeatable; alone, the search covers only the added shapes), e.g. --add-shape "

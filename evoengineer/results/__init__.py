@@ -3,7 +3,7 @@ module, plots, an HTML report, the tables every command prints."""
 from __future__ import annotations
 
 from .export import MODULE_NAME, export_entry, export_runs, kernel_args
-from .leaderboard import LEADERBOARD, build_leaderboard, leaderboard_csv, load_leaderboard
+from .leaderboard import LEADERBOARD, build_leaderboard, leaderboard_csv, load_leaderboard, merge_boards
 from .per_shape import (
     DISPATCH_RULE,
     ExportError,
@@ -35,7 +35,7 @@ from .tables import (
 __all__ = [
     "DISPATCH_RULE", "LEADERBOARD", "MODULE_NAME", "REPORT", "Column", "ExportError", "Grid", "PerShape", "Shape",
     "baseline_grid", "bench_grid", "build_leaderboard", "check_grid", "config_legend", "export_entry", "export_runs",
-    "grid_html", "kernel_args", "leaderboard_csv", "leaderboard_grid", "load_leaderboard", "nearest", "parse_label",
+    "grid_html", "kernel_args", "leaderboard_csv", "leaderboard_grid", "load_leaderboard", "merge_boards", "nearest", "parse_label",
     "per_shape_table", "per_shape_winners", "print_grid", "profile_grid", "runs_grid", "search_summary_grid", "shape_winners",
     "short_config", "spaces_grid", "write_report",
 ]

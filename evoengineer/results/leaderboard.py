@@ -71,6 +71,20 @@ def build_leaderboard(records: list[dict], retimed: dict | None, baseline: dict,
     return {"gpu": gpu, "retimed": bool(retimed), "entries": entries, "sdpa": sdpa_rows}
 
 
+def merge_boards(parts: list[tuple[str, list[str], dict]]) -> dict:
+    """One leaderboard of a search in partitions (``search.partition``) from each partition's
+    (name, case labels, board): its entries and SDPA rows in partition order, each tagged with
+    its partition, ranked within it and numbered on across partitions (``--rank`` stays unique);
+    ``partitions`` lists the parts with their cases."""
+    entries, sdpa = [], []
+    for name, _, board in parts:
+        entries += [{**e, "partition": name, "rank": len(entries) + i} for i, e in enumerate(board["entries"], 1)]
+        sdpa += [{**row, "partition": name} for row in board["sdpa"]]
+    first = parts[0][2] if parts else {}
+    return {"gpu": first.get("gpu", "?"), "retimed": bool(first.get("retimed")), "entries": entries, "sdpa": sdpa,
+            "partitions": [{"name": name, "cases": labels} for name, labels, _ in parts]}
+
+
 def _speedups(cases: list[dict], sdpa: dict[str, dict[str, float]]) -> dict[str, float | None]:
     """Per backend: geometric mean over cases of SDPA time / candidate time (> 1: faster)."""
     out: dict[str, float | None] = {}
@@ -91,9 +105,22 @@ def load_leaderboard(run_path: Path, top: int | None = None) -> dict:
     else:
         baseline = run.read_json("baseline.json", {})
         meta = run.meta() if (run.path / "run.json").exists() else {}
-        board = build_leaderboard(best_results(run, top or 10), None, baseline, meta.get("case_flops", {}), meta.get("gpu", {}).get("gpu", "?"))
-    if top:
-        board["entries"] = board["entries"][:top]
+        flops, gpu = meta.get("case_flops", {}), meta.get("gpu", {}).get("gpu", "?")
+        parts = [p for p in meta.get("partitions") or [] if isinstance(p, dict) and isinstance(p.get("name"), str)]
+        if parts:
+            board = merge_boards([(p["name"], list(p.get("cases") or []), build_leaderboard(
+                best_results(run, top or 10, p["name"]), None, baseline, flops, gpu)) for p in parts])
+        else:
+            board = build_leaderboard(best_results(run, top or 10), None, baseline, flops, gpu)
+    if top:  # the first ``top`` of each partition
+        kept: dict[str | None, int] = {}
+        entries = []
+        for entry in board["entries"]:
+            part = entry.get("partition")
+            if kept.get(part, 0) < top:
+                kept[part] = kept.get(part, 0) + 1
+                entries.append(entry)
+        board["entries"] = entries
     return board
 
 
@@ -127,6 +154,6 @@ def leaderboard_csv(board: dict) -> str:
                          e["max_abs_err"] if e["max_abs_err"] is not None else "",
                          Config(e["config"]).short_label()])
     for row in board["sdpa"]:
-        writer.writerow(["", f"SDPA {row['backend']}", f"{row['geomean_us']:.4f}", "", f"{row['tflops']:.2f}", *([""] * len(SDPA_BACKENDS)), "", "", "", "", ""])
+        writer.writerow(["", f"SDPA {row['backend']}" + (f" ({row['partition']})" if row.get("partition") else ""), f"{row['geomean_us']:.4f}", "", f"{row['tflops']:.2f}", *([""] * len(SDPA_BACKENDS)), "", "", "", "", ""])
     return buf.getvalue()
 

@@ -45,11 +45,12 @@ def write_report(run_path: Path, out: Path | None = None) -> Path:
     ]
     title = f"EvoEngineer run {run.path.name}"
     ok = [r for r in results if r["status"] == "ok"]
-    best = min(ok, key=lambda r: r["objective_us"], default=None)
     summary = (f"space <b>{_e(meta.get('space'))}</b>, strategy <b>{_e(meta.get('strategy'))}</b> on "
                f"<b>{_e(env.get('gpu', '?'))}</b>: {len(results)} evaluations, {len(ok)} ok")
-    if best:
-        summary += f"; best {best['objective_us']:.2f} µs ({_e(Config(best['config']).short_label())})"
+    for part in dict.fromkeys(r.get("partition") for r in ok):  # a search in partitions: each one's best
+        best = min((r for r in ok if r.get("partition") == part), key=lambda r: r["objective_us"])
+        summary += (f"; best{' of ' + _e(part) if part else ''} {best['objective_us']:.2f} µs "
+                    f"({_e(Config(best['config']).short_label())})")
     summary += f". Started {_e(meta.get('started', '?'))}, " + (f"finished {_e(meta['finished'])}." if meta.get("finished") else "not finished.")
     page = _PAGE.format(title=_e(title), css=_CSS, summary=summary, sections="\n".join(sections))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -68,6 +69,9 @@ def open_run_study(run: RunDir, meta: dict) -> tuple[Any, str]:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = str(meta.get("storage") or run.default_storage())
     name = meta.get("study_name") or run.path.name
+    parts = [p.get("name") for p in meta.get("partitions") or [] if isinstance(p, dict)]
+    if parts:
+        return None, f"the search ran in {len(parts)} partitions ({', '.join(map(str, parts))}), each its own study"
     if storage.startswith("sqlite:///"):
         path = Path(storage[len("sqlite:///"):])
         if not path.exists():

@@ -162,21 +162,35 @@ def leaderboard_grid(board: dict, title: str = "") -> Grid:
         caption="µs: the median device time, geomean over the shapes; " + SPEEDUP_NOTE
         + "; × backend: that backend's time / this time",
     )
-    for e in board["entries"]:
-        r = e.get("resources", {})
-        times = {c["label"]: c["median_us"] for c in e.get("cases", [])}
-        measured = bool(times)  # a run replayed from a recording without per-case times has none
-        spread = e.get("spread") if measured else None
-        grid.add(
-            str(e["rank"]), label(e["config"]), f"{e['geomean_us']:.2f}", f"{spread * 100:.1f}%" if spread is not None else "-",
-            _num(speedup_vs_fastest(times, fastest), ".2f"),
-            *(_num(e.get("speedup", {}).get(b), ".2f") for b in SDPA_BACKENDS),
-            _num(e.get("tflops") or None, ".1f"), str(r.get("registers", "-")), str(r.get("smem", "-")),
-            str(r.get("spill_bytes", "-")), _err(e.get("max_abs_err") if measured else None), Config(e["config"]).label(),
-        )
-    for row in board.get("sdpa", []):
-        grid.add("", f"SDPA {row['backend']}", f"{row['geomean_us']:.2f}", "", _num(speedup_vs_fastest(row.get("cases", {}), fastest), ".2f"),
-                 *("" for _ in SDPA_BACKENDS), _num(row.get("tflops"), ".1f"), "", "", "", "", "", style="dim")
+    parts = board.get("partitions") or [{"name": None}]
+    if board.get("partitions"):
+        grid.caption = grid.caption.replace("geomean over the shapes", "geomean over the partition's shapes")
+    for part in parts:
+        name = part["name"]
+        if board.get("partitions"):  # a search in partitions: a heading row, then its entries and SDPA rows
+            cases = len(part.get("cases") or [])
+            grid.add("", Text(f"{name}: {cases} case{'s' if cases != 1 else ''}", style="bold"),
+                     *("" for _ in grid.columns[2:]))
+        for e in board["entries"]:
+            if e.get("partition") != name:
+                continue
+            r = e.get("resources", {})
+            times = {c["label"]: c["median_us"] for c in e.get("cases", [])}
+            measured = bool(times)  # a run replayed from a recording without per-case times has none
+            spread = e.get("spread") if measured else None
+            grid.add(
+                str(e["rank"]), label(e["config"]), f"{e['geomean_us']:.2f}", f"{spread * 100:.1f}%" if spread is not None else "-",
+                _num(speedup_vs_fastest(times, fastest), ".2f"),
+                *(_num(e.get("speedup", {}).get(b), ".2f") for b in SDPA_BACKENDS),
+                _num(e.get("tflops") or None, ".1f"), str(r.get("registers", "-")), str(r.get("smem", "-")),
+                str(r.get("spill_bytes", "-")), _err(e.get("max_abs_err") if measured else None), Config(e["config"]).label(),
+            )
+        for row in board.get("sdpa", []):
+            if row.get("partition") != name:
+                continue
+            grid.add("", f"SDPA {row['backend']}", f"{row['geomean_us']:.2f}", "",
+                     _num(speedup_vs_fastest(row.get("cases", {}), fastest), ".2f"),
+                     *("" for _ in SDPA_BACKENDS), _num(row.get("tflops"), ".1f"), "", "", "", "", "", style="dim")
     return grid
 
 

@@ -174,14 +174,18 @@ class RunDir:
                 os.fsync(fh.fileno())  # a full disk fails here, not silently at close
             tmp.replace(self.path / name)
 
-    def append_result(self, result: EvalResult) -> None:
+    def append_result(self, result: EvalResult, partition: str | None = None) -> None:
+        """Append ``result``'s record, tagged with the search ``partition`` it belongs to (if any)."""
+        record = result.to_json()
+        if partition is not None:
+            record["partition"] = partition
         with writing(self.results_path), self.results_path.open("ab+") as fh:
             fh.seek(0, os.SEEK_END)
             if fh.tell():
                 fh.seek(-1, os.SEEK_END)
                 if fh.read(1) != b"\n":  # a line cut by a kill stays alone on its line
                     fh.write(b"\n")
-            fh.write((json.dumps(result.to_json()) + "\n").encode())
+            fh.write((json.dumps(record) + "\n").encode())
             fh.flush()
             os.fsync(fh.fileno())
 
@@ -238,6 +242,8 @@ def _record_problem(record: Any) -> str:
         return f"an ok record's 'objective_us' is {_kind(value)}, expected a finite number"
     if not isinstance(record.get("cases", []), list):
         return f"'cases' is {_kind(record.get('cases'))}, expected a list"
+    if not isinstance(record.get("partition", ""), str):
+        return f"'partition' is {_kind(record.get('partition'))}, expected a string"
     return ""
 
 
@@ -345,16 +351,17 @@ def _config_of(frozen: optuna.trial.FrozenTrial, space: Space) -> Config | None:
     return space.config({k: frozen.params[k] for k in space.param_names})
 
 
-def recover_interrupted(study: optuna.Study, run: RunDir, space: Space) -> int:
+def recover_interrupted(study: optuna.Study, run: RunDir, space: Space, partition: str | None = None) -> int:
     """After a kill: trials this run left RUNNING are told from their record if it was
     written, else failed and re-queued once (the retry keeps their budget slot); results
     told to the study but not yet written to ``results.jsonl`` are written from the study.
 
     Idempotent: a re-queue this run began and a kill cut short (the trial marked, or
     failed, but no retry queued) is finished first, so a kill at any point of a recovery
-    loses no budget slot."""
+    loses no budget slot. ``partition``: the search partition the study belongs to (its records'
+    tag)."""
     ledger = Ledger(study)
-    recorded = {r["key"]: r for r in run.results()}
+    recorded = {r["key"]: r for r in run.results() if r.get("partition") == partition}
     recovered = finish_requeues(study, ledger, run.name)
     for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         if frozen.user_attrs.get("run", run.name) != run.name:
@@ -385,7 +392,7 @@ def recover_interrupted(study: optuna.Study, run: RunDir, space: Space) -> int:
         if config is None:
             continue
         run.append_result(EvalResult(config=config.to_dict(), key=key, status=status,
-                                     reason=frozen.user_attrs.get("reason", ""), objective_us=frozen.value))
+                                     reason=frozen.user_attrs.get("reason", ""), objective_us=frozen.value), partition)
         recorded[key] = {}
     return recovered
 
@@ -496,8 +503,10 @@ class _Lanes:
 class _Search:
     """The loop's state: the study, its ledger, the budget, what is under way."""
 
-    def __init__(self, space: Space, run: RunDir, study: optuna.Study, budget: int, build: bool, arch: str) -> None:
+    def __init__(self, space: Space, run: RunDir, study: optuna.Study, budget: int, build: bool, arch: str,
+                 partition: str | None = None) -> None:
         self.space, self.run, self.study, self.budget = space, run, study, budget
+        self.partition = partition  # the search partition whose records this writes (their tag)
         self.build, self.arch = build, arch
         self.ledger = Ledger(study)
         self.heartbeat = Heartbeat(study)
@@ -630,7 +639,7 @@ class _Search:
             return False
         result.phases = {**result.phases, "strategy": round(candidate.strategy_s, 4),
                          "storage": round(time.perf_counter() - started, 4)}
-        self.run.append_result(result)
+        self.run.append_result(result, self.partition)
         stats.add(result)
         stats.add_phases({**result.phases, "storage": time.perf_counter() - started})
         return True
@@ -697,6 +706,8 @@ def run_search(
     on_result: Callable[[EvalResult, SearchStats], None] | None = None,
     compile_workers: int | None = None,
     build: bool = True,
+    partition: str | None = None,
+    stats: SearchStats | None = None,
 ) -> SearchStats:
     """Evaluate until ``trials`` evaluations are recorded in the study (or time runs out).
 
@@ -706,6 +717,10 @@ def run_search(
     while the devices work, and tells the study as results come back. The budget is
     counted in budget slots of the study's ledger, so every search sharing the study stops
     at exactly ``trials`` evaluations; a configuration is never evaluated twice.
+
+    ``partition``: the search partition ``space`` and ``study`` are (``search.partition``),
+    whose name tags the records; ``stats``: a search's statistics to add to (one per search
+    over its partitions), its clock going on.
     """
     evaluators = list(evaluator) if isinstance(evaluator, (list, tuple)) else [evaluator]
     workers = compile_workers or max(1, (os.cpu_count() or 2) - 1)
@@ -713,8 +728,12 @@ def run_search(
         prefetch = workers + len(evaluators) if build else len(evaluators)
     depth = len(evaluators) + max(0, prefetch)
     valid = getattr(study.sampler, "valid", None)  # a SpaceSampler enumerates the space once, before the clock starts
-    search = _Search(space, run, study, min(trials, len(valid) if valid is not None else space.valid_size()), build, arch)
-    stats = SearchStats(devices=len(evaluators))
+    search = _Search(space, run, study, min(trials, len(valid) if valid is not None else space.valid_size()), build, arch,
+                     partition)
+    if stats is None:
+        stats = SearchStats(devices=len(evaluators))
+    began = stats.elapsed_s
+    stats.finished = None
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_compile_process_init) if build else None
     switch_interval = sys.getswitchinterval()
@@ -724,7 +743,7 @@ def run_search(
     failure: BaseException | None = None
     try:
         while True:
-            out_of_time = time_s is not None and stats.elapsed_s >= time_s
+            out_of_time = time_s is not None and stats.elapsed_s - began >= time_s
             if out_of_time:
                 for candidate in lanes.take_back():
                     search.cancel(candidate)
@@ -832,10 +851,16 @@ def check_records(run: RunDir) -> str:
         return f"note: the run's study {file} is missing; {results.name} was not checked against it"
     if file is not None and not os.access(file.parent, os.W_OK) and not file.with_name(file.name + "-wal").exists():
         url = f"sqlite:///file:{file}?mode=ro&immutable=1&uri=true"  # a read-only run: SQLite may not even create its lock file
+    studies = [(name, None)]  # (study name, the partition whose records it holds)
+    if isinstance(meta.get("partitions"), list):
+        studies = [(p["study"], p["name"]) for p in meta["partitions"]
+                   if isinstance(p, dict) and isinstance(p.get("study"), str) and isinstance(p.get("name"), str)]
+    trials: list[tuple[str | None, optuna.trial.FrozenTrial]] = []
     try:
         storage = make_storage(url, None)
-        study_id = storage.get_study_id_from_name(name)
-        trials = storage.get_all_trials(study_id, deepcopy=False, states=_FINISHED)
+        for name, partition in studies:
+            study_id = storage.get_study_id_from_name(name)
+            trials += [(partition, t) for t in storage.get_all_trials(study_id, deepcopy=False, states=_FINISHED)]
     except KeyError:
         return f"note: {file or url} holds no study {name!r}; {results.name} was not checked against it"
     except Exception as exc:  # noqa: BLE001 - a storage failure in words, or a bug raised as is
@@ -845,9 +870,9 @@ def check_records(run: RunDir) -> str:
         if file is not None and "damaged" in message:
             raise RunFileError(f"{file}: {message}") from None
         return f"note: could not read the study {name!r} ({message}); {results.name} was not checked against it"
-    in_study = Counter(t.user_attrs.get("config_key") for t in trials
+    in_study = Counter((partition, t.user_attrs.get("config_key")) for partition, t in trials
                        if t.user_attrs.get("run", run.name) == run.name and t.user_attrs.get("status") in STATUSES)
-    in_file = Counter(r["key"] for r in records)
+    in_file = Counter((r.get("partition"), r["key"]) for r in records)
     missing, extra = sum((in_study - in_file).values()), sum((in_file - in_study).values())
     resume = f"`evoengineer search --space {run.path / 'space.yaml'} --resume --run-dir {run.path}`"
     if missing:
@@ -859,10 +884,13 @@ def check_records(run: RunDir) -> str:
     return ""
 
 
-def best_results(run: RunDir, top_k: int) -> list[dict]:
-    """The ``top_k`` fastest ok records of a run, one per configuration."""
+def best_results(run: RunDir, top_k: int, partition: str | None = None) -> list[dict]:
+    """The ``top_k`` fastest ok records of a run, one per configuration (of one search
+    ``partition``: its objective is a geometric mean over that partition's cases only)."""
     best: dict[str, dict] = {}
     for r in run.results():
+        if partition is not None and r.get("partition") != partition:
+            continue
         if r["status"] == "ok" and (r["key"] not in best or r["objective_us"] < best[r["key"]]["objective_us"]):
             best[r["key"]] = r
     return sorted(best.values(), key=lambda r: r["objective_us"])[:top_k]

@@ -160,7 +160,7 @@ def test_decode_search_exported_with_a_prefill_run(tmp_path: Path) -> None:
 
     decode_run, prefill_run, out = tmp_path / "decode", tmp_path / "prefill", tmp_path / "best"
     done = cli("search", "--space", "h100-decode", "--trials", "3", "--top-k", "2", "--retime-rounds", "1",
-               "--run-dir", str(decode_run), "--quiet", cwd=tmp_path)
+               "--partition", "none", "--run-dir", str(decode_run), "--quiet", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     results = [json.loads(line) for line in (decode_run / "results.jsonl").read_text().splitlines()]
     assert len(results) == 3 and all(r["status"] == "ok" for r in results), [(r["status"], r["reason"]) for r in results]
@@ -172,7 +172,8 @@ def test_decode_search_exported_with_a_prefill_run(tmp_path: Path) -> None:
     assert any(r["config"]["SPLITS"] > 1 for r in results)
 
     (tmp_path / "prefill.yaml").write_text(PREFILL)
-    done = cli("search", "--space", "prefill.yaml", "--run-dir", str(prefill_run), "--retime-rounds", "1", "--quiet", cwd=tmp_path)
+    done = cli("search", "--space", "prefill.yaml", "--run-dir", str(prefill_run), "--retime-rounds", "1",
+               "--partition", "none", "--quiet", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     done = cli("export", str(prefill_run), str(decode_run), "--out", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr

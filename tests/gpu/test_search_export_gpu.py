@@ -43,7 +43,11 @@ def test_search_leaderboard_export_on_gpu(tmp_path: Path) -> None:
     done = cli("search", "--space", "tiny.yaml", "--run-dir", str(run), "--retime-rounds", "2", "--quiet", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     results = [json.loads(l) for l in (run / "results.jsonl").read_text().splitlines()]
-    assert len(results) == 4 and all(r["status"] == "ok" for r in results), results
+    # a partition per head dim, each every one of its 4 valid configurations, timed on its own cases
+    assert len(results) == 8 and all(r["status"] == "ok" for r in results), results
+    cases = {"D64": ["B1 H2 S256 D64", "B1 H2 S256 D64 causal"], "D128": ["B1 H2 S256 D128"]}
+    assert sorted(r["partition"] for r in results) == ["D128"] * 4 + ["D64"] * 4
+    assert all([c["label"] for c in r["cases"] if c.get("time")] == cases[r["partition"]] for r in results)
     for r in results:  # where each evaluation's time went, the worker's phases included
         assert r["phases"]["gate"] > 0 and r["phases"]["timing"] > 0 and r["phases"]["load"] >= 0, r["phases"]
         assert r["phases"]["gate"] + r["phases"]["timing"] + r["phases"]["load"] <= r["eval_s"] + 0.01
@@ -52,7 +56,8 @@ def test_search_leaderboard_export_on_gpu(tmp_path: Path) -> None:
     env = json.loads((run / "env.json").read_text())
     assert env["gpu"] and env["sms"] > 0 and env["torch"]
     board = json.loads(cli("leaderboard", str(run), "--json", cwd=tmp_path).stdout)
-    assert board["retimed"] and len(board["entries"]) == 2 and board["sdpa"]
+    assert board["retimed"] and len(board["entries"]) == 4 and board["sdpa"]
+    assert [(e["rank"], e["partition"]) for e in board["entries"]] == [(1, "D64"), (2, "D64"), (3, "D128"), (4, "D128")]
 
     out = tmp_path / "best"
     assert cli("export", str(run), "--rank", "1", "--out", str(out), cwd=tmp_path).returncode == 0
