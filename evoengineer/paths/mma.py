@@ -11,6 +11,8 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 DEFAULTS = {"STAGES": 2, "SMEM_LAYOUT": "swizzle", "Q_IN_REGS": 1, "P_IN_REGS": 1, "SPLITS": 1, "KV_GROUPS": 1,
             "PACK_GQA": 0}
 """What the template takes for a parameter a configuration leaves out."""
+FEATURES = ("seqlens", "softcap", "varlen", "window")
+"""The compile-time features the template holds (SEQLENS, SOFTCAP, VARLEN, WINDOW)."""
 
 
 def smem_bytes(c: Scope, head_dim: int) -> int:
@@ -44,4 +46,4 @@ RULES = (
 )
 
 PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=lambda c: 32 * c["WARPS"], rows_per_cta=lambda c: c["BLOCK_M"],
-                  defaults=DEFAULTS, head_dims=HEAD_DIMS)
+                  defaults=DEFAULTS, head_dims=HEAD_DIMS, features=FEATURES)
