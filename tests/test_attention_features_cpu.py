@@ -53,7 +53,7 @@ def test_each_switch_adds_its_arguments_and_its_feature_name() -> None:
 
 
 def test_the_switches_are_refused_on_the_other_paths() -> None:
-    with pytest.raises(ValueError, match="FEATURES_OF_THE_MMA_PATH_ONLY"):
+    with pytest.raises(ValueError, match="THE_PATH_DOES_NOT_HOLD_A_FEATURE_ASKED"):
         render("flash_attention", Config({**BASE, "PATH": "wmma"}), Variant(64, False, "fp16", ("softcap",)))
 
 

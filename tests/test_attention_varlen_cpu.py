@@ -53,7 +53,7 @@ def test_the_varlen_switch_adds_its_offsets_between_softcap_and_window() -> None
                                                 "int window_left, int window_right")
     assert [name for name, _ in every.arguments[-7:]] == ["seqlens_k", "leftpad_k", "softcap", "cu_seqlens_q",
                                                           "cu_seqlens_k", "window_left", "window_right"]
-    with pytest.raises(ValueError, match="FEATURES_OF_THE_MMA_PATH_ONLY"):
+    with pytest.raises(ValueError, match="THE_PATH_DOES_NOT_HOLD_A_FEATURE_ASKED"):
         render("flash_attention", Config({**BASE, "PATH": "wmma"}), Variant(64, False, "fp16", ("varlen",)))
 
 

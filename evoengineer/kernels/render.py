@@ -244,19 +244,20 @@ def render(template: str, config: Config, variant: Variant, directory: str | Pat
     return from_source(template, config, variant, header + body)
 
 
-def derived(config: Config, variant: Variant, template: str = paths.FORWARD_TEMPLATE) -> dict[str, int]:
+def derived(config: Config, variant: Variant, template: str = paths.FORWARD_TEMPLATE) -> dict[str, int | tuple[str, ...]]:
     """What the configuration's path derives from it at the variant's head dim (``PATH_SMEM_BYTES``,
-    ``PATH_THREADS``, ``PATH_ROWS_PER_CTA``); empty for another PATH or a configuration the path's
-    formulas cannot take (the template then rejects it by its own checks)."""
+    ``PATH_THREADS``, ``PATH_ROWS_PER_CTA``) and the features it holds (``PATH_FEATURES``); empty
+    for another PATH, only the features for a configuration the path's formulas cannot take (the
+    template then rejects it by its own checks)."""
     rules = paths.of_template(template).get(str(config.get("PATH")))
     if rules is None:
         return {}
     scope = rules.scope(config)
     try:
         return {"PATH_SMEM_BYTES": rules.smem_bytes(scope, variant.head_dim), "PATH_THREADS": rules.threads(scope),
-                "PATH_ROWS_PER_CTA": rules.rows_per_cta(scope)}
+                "PATH_ROWS_PER_CTA": rules.rows_per_cta(scope), "PATH_FEATURES": rules.features}
     except (KeyError, TypeError, ArithmeticError):
-        return {}
+        return {"PATH_FEATURES": rules.features}
 
 
 def from_source(template: str, config: Config, variant: Variant, source: str) -> Rendered:

@@ -53,6 +53,9 @@ class KernelPath:
     need not list every parameter of a path); rules and budgets see these where a value is absent."""
     head_dims: tuple[int, ...] = (64, 128)
     """Head dims the template holds (its ``head-dims`` rule refuses a space with any other)."""
+    features: tuple[str, ...] = ()
+    """Compile-time features the template holds on this path (``runtime.features.SWITCHES``: a
+    variant asking another fails to render, naming this list)."""
     label: Callable[[dict[str, Any]], None] | None = None
     """Rewrites a configuration's values, in place, into the path's short-label tokens (pops what
     it folds into ``PATH``'s word or another token); None: the generic label."""

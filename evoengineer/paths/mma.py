@@ -21,6 +21,8 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 DEFAULTS = {"STAGES": 2, "SMEM_LAYOUT": "swizzle", "Q_IN_REGS": 1, "P_IN_REGS": 1, "SPLITS": 1, "KV_GROUPS": 1,
             "PACK_GQA": 0}
 """What the template takes for a parameter a configuration leaves out."""
+FEATURES = ("seqlens", "softcap", "varlen", "window")
+"""The compile-time features the template holds (SEQLENS, SOFTCAP, VARLEN, WINDOW)."""
 
 
 def smem_bytes(c: Scope, head_dim: int) -> int:
@@ -67,7 +69,7 @@ def label(values: dict[str, Any]) -> None:
 
 
 PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=lambda c: 32 * c["WARPS"], rows_per_cta=lambda c: c["BLOCK_M"],
-                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS)
+                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS, features=FEATURES)
 
-__all__ = ["AUTO_SPLITS", "DEFAULTS", "HEAD_DIMS", "MAX_SPLITS", "NAME", "PARAMS", "PATH", "RULES", "decode_splits", "label",
-           "smem_bytes"]
+__all__ = ["AUTO_SPLITS", "DEFAULTS", "FEATURES", "HEAD_DIMS", "MAX_SPLITS", "NAME", "PARAMS", "PATH", "RULES", "decode_splits",
+           "label", "smem_bytes"]

@@ -194,10 +194,13 @@ def export_runs(runs: Sequence[Path], out: Path, module_name: str = MODULE_NAME,
 def _every_feature_specs(candidates: list[tuple[MeasuredConfig, RunInfo]], variants: list[Variant],
                          specs: list[KernelSpec], notes: list[str]) -> list[KernelSpec]:
     """Per plain variant without one yet, a kernel with every feature (per-batch key ranges,
-    soft-capping, a window: padding and sliding windows from ``hf_attention``), of the first
-    candidate configuration that renders it (the mma path's), so that calls with features find
-    a kernel in any export; a note where none does."""
+    soft-capping, a window: padding and sliding windows from ``hf_attention``; packed sequences),
+    of the first candidate configuration that renders it (the mma path's), so that calls with
+    features find a kernel in any export; where the first candidates' path holds only some of
+    them (wgmma: not packed sequences), a kernel with those, and the rest from a later candidate;
+    a note for features no candidate holds."""
     from ..kernels import RenderError
+    from ..paths import of_template
     from ..runtime.features import SWITCHES
 
     have = {(s.dtype, s.variant.head_dim, s.variant.causal) for s in specs
@@ -206,17 +209,25 @@ def _every_feature_specs(candidates: list[tuple[MeasuredConfig, RunInfo]], varia
     for base in variants:
         if not hasattr(base, "features"):
             continue
+        covered: set[str] = set()
         for config, run in candidates:
-            variant = replace(base, features=SWITCHES)
-            if (variant_dtype(variant, run.space), variant.head_dim, variant.causal) in have:
+            if (variant_dtype(base, run.space), base.head_dim, base.causal) in have:
+                covered = set(SWITCHES)
                 break
+            path = of_template(config.template).get(str(config.config.get("PATH")))
+            held = tuple(f for f in SWITCHES if path is not None and f in path.features)
+            if set(held) <= covered:
+                continue
             try:
-                out.append(_spec(run, config, variant))
-                break
+                out.append(_spec(run, config, replace(base, features=held)))
             except (RenderError, ExportError):
                 continue
-        else:
-            notes.append(f"no configuration renders {base.label()} with {', '.join(SWITCHES)}: calls with these features "
+            covered |= set(held)
+            if covered == set(SWITCHES):
+                break
+        missing = [f for f in SWITCHES if f not in covered]
+        if missing:
+            notes.append(f"no configuration renders {base.label()} with {', '.join(missing)}: calls with these features "
                          "run the fallback, if asked")
     return out
 
