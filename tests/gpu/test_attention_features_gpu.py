@@ -93,7 +93,8 @@ def kernel(config: Config, variant: Variant):
     key = (config.key(), variant)
     if key not in _BUILT:
         rendered = render("flash_attention", config, variant)
-        res = compile_source(rendered.source, "sm_%d%d" % torch.cuda.get_device_capability())
+        arch = "sm_90a" if config["PATH"] == "wgmma" else "sm_%d%d" % torch.cuda.get_device_capability()
+        res = compile_source(rendered.source, arch)
         assert res.ok, res.error
         _BUILT[key] = AttentionKernel(rendered, res.cubin_path)
     return _BUILT[key]

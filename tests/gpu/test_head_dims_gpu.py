@@ -12,10 +12,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from test_attention_features_gpu import check_rule, inputs  # noqa: E402
+from test_attention_features_gpu import check_rule, inputs, kernel  # noqa: E402
 
 from evoengineer import paths  # noqa: E402
-from evoengineer.kernels import compile_source, render  # noqa: E402
 from evoengineer.runtime import features as F  # noqa: E402
 from evoengineer.space import Config, Variant  # noqa: E402
 
@@ -28,23 +27,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-_BUILT: dict = {}
-
-
-def kernel(config: Config, variant: Variant):
-    """The kernel of ``config`` at ``variant``, compiled for this GPU (wgmma: sm_90a)."""
-    from evoengineer.gpu import AttentionKernel
-
-    key = (config.key(), variant)
-    if key not in _BUILT:
-        rendered = render("flash_attention", config, variant)
-        arch = "sm_90a" if config["PATH"] == "wgmma" else "sm_%d%d" % torch.cuda.get_device_capability()
-        res = compile_source(rendered.source, arch)
-        assert res.ok, res.error
-        _BUILT[key] = AttentionKernel(rendered, res.cubin_path)
-    return _BUILT[key]
 
 
 def mma(BM: int, BN: int, warps: int, layout: str, **extra) -> Config:
