@@ -169,7 +169,7 @@ def test_decode_search_exported_with_a_prefill_run(tmp_path: Path) -> None:
         assert r["config"]["BLOCK_M"] == 16
         assert labels <= {c["label"] for c in r["cases"] if c.get("time")}
     assert set(json.loads((decode_run / "baseline.json").read_text())) == labels
-    assert any(r["config"]["SPLITS"] > 1 for r in results)
+    assert any(r["config"]["SPLITS"] != 1 for r in results)   # a fixed split, or the call's (SPLITS 0)
 
     (tmp_path / "prefill.yaml").write_text(PREFILL)
     done = cli("search", "--space", "prefill.yaml", "--run-dir", str(prefill_run), "--retime-rounds", "1",
