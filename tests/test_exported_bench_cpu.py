@@ -516,3 +516,72 @@ def test_a_feature_rows_block_shows_each_ratio_within_80_columns() -> None:
     padded = next(r for r in fb.FEATURE_ROWS if r.feature == "padding")
     assert fb.feature_block("t", padded, measured, {**versus, "fa4": {}}, 1e-3, "flash-attn-4 is not installed")[-2] \
         == "  fa4: none, flash-attn-4 is not installed"
+
+
+def test_feature_rows_measured_end_to_end_with_torch_in_place_of_the_kernels(exports, monkeypatch) -> None:
+    """measure_features over a real export's tables, its calls answered on the CPU by the
+    runtime's torch reference (what the kernels compute) and its timing by the Recorder: the
+    rows' calls take the right arguments, a row without a kernel is one line, each measured row
+    prints its block and gives a result per implementation with the ratios on evo's."""
+    from types import SimpleNamespace
+
+    from evoengineer.runtime.features import call_features, reference_attention
+    from evoengineer.runtime.varlen import reference_varlen
+
+    mixed = exports[1]
+    asked: list[str] = []
+
+    def attention(q, k, v, is_causal=False, enable_gqa=False, window_size=None, softcap=None, seqlens_k=None):
+        asked.append(f"attention window={window_size} softcap={softcap} seqlens={seqlens_k is not None}")
+        return reference_attention(q, k, v, is_causal, None, enable_gqa, call_features(window_size, softcap, seqlens_k),
+                                   seqlens_k)
+
+    def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):
+        asked.append(f"varlen {cu_q.tolist()} {max_q}")
+        return reference_varlen(q, k, v, cu_q.tolist(), cu_k.tolist(), is_causal)
+
+    module = SimpleNamespace(**{name: getattr(mixed, name) for name in ("DTYPES", "DISPATCH", "GQA", "KERNELS",
+                                                                        "CONFIGS", "dispatch")},
+                             attention=attention, attention_varlen=attention_varlen)
+    rows = [fb.FeatureRow("window", "window", 1, 4, 2, 48, 128, window_left=9),
+            fb.FeatureRow("padding", "padding", 2, 4, 2, 32, 128, lengths=(32, 7)),
+            fb.FeatureRow("varlen", "varlen", 3, 4, 2, 20, 128, lengths=(1, 20, 5)),
+            fb.FeatureRow("softcap", "softcap", 2, 4, 2, 16, 256, softcap=20.0)]
+    class Calling(Recorder):
+        """The Recorder's figures; each measurement calls the implementation once on a set."""
+
+        def _record(self, what: str, fn) -> str:
+            q = self.sets[len(self.calls) % len(self.sets)][0]
+            out = fn(*self.sets[len(self.calls) % len(self.sets)])
+            self.calls.append((what, tuple((out[0] if isinstance(out, tuple) else out).shape) == tuple(q.shape)))
+            return what
+
+        def heat_up(self, fns, sets, ms) -> int:
+            self.sets = sets
+            self.calls.append(("heat", len(fns)))
+            return 1
+
+    rec = Calling()
+    for name in ("heat_up", "device_times", "eager_times", "graph_times"):
+        monkeypatch.setattr(calls, name, getattr(rec, name))
+    monkeypatch.setattr(calls, "synchronize", lambda: None)
+    said: list[str] = []
+    results, notes = fb.measure_features(module, rows, ["fp16"], 200, 10, 2, say=said.append, peers=False,
+                                         device="cpu", l2_bytes=40_000)
+    assert list(dict.fromkeys(asked)) == ["attention window=(9, 0) softcap=None seqlens=False",
+                         "attention window=None softcap=None seqlens=True", "varlen [0, 1, 21, 26] 20"]
+    assert notes == ["softcap fp16: no fp16 D256 causal kernel in this export"] and notes[0] in said
+    assert [(r["shape"], r["impl"]) for r in results] == [
+        ("window", "evo"), ("window", "sdpa"), ("window", fb.FLOOR), ("padding", "evo"), ("padding", "sdpa"),
+        ("padding", fb.FLOOR), ("varlen", "evo"), ("varlen", "sdpa")]
+    # per row a heat-up of its 3, 3 and 2 implementations, then two rounds of device, eager and
+    # graph of each; every call's output has q's shape
+    assert [c for c in rec.calls if c[0] == "heat"] == [("heat", 3), ("heat", 3), ("heat", 2)]
+    assert len(rec.calls) == 3 + 2 * 3 * (3 + 3 + 2) and all(ok for what, ok in rec.calls if what != "heat")
+    evo = [r for r in results if r["impl"] == "evo"]
+    assert all(r["max_abs_err"] < 1e-2 and r["status"] == "ok" for r in evo)   # fp16 against fp32
+    assert evo[0]["speedup_sdpa_device_us"] == 1.0 and evo[0]["speedup_floor_device_us"] == 1.0
+    assert "speedup_floor_device_us" not in evo[2] and evo[2]["lengths"] == [1, 20, 5]
+    assert f"window fp16: {short_config(MMA.to_dict())}" in said
+    assert all(len(line) <= 80 for line in said), [line for line in said if len(line) > 80]
+    assert fb.feature_summary_lines(results)[-2].endswith(": 3 of 3 rows")

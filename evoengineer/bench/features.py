@@ -297,9 +297,11 @@ def feature_title(row: FeatureRow, dtype: str) -> str:
 
 
 def measure_features(module: Any, rows: list[FeatureRow], dtypes: list[str], calls: int, repetitions: int, rounds: int,
-                     say: Callable[[str], None] = print, peers: bool = True) -> tuple[list[dict], list[str]]:
+                     say: Callable[[str], None] = print, peers: bool = True, device: str = "cuda",
+                     l2_bytes: int | None = None) -> tuple[list[dict], list[str]]:
     """Every row x dtype measured (``say`` gets each row's block of lines and each skipped row's
-    one line): (result rows, one per implementation, and notes)."""
+    one line): (result rows, one per implementation, and notes). The input sets together
+    outgrow twice the L2 (the GPU's, or ``l2_bytes``)."""
     import torch
 
     results: list[dict] = []
@@ -313,15 +315,22 @@ def measure_features(module: Any, rows: list[FeatureRow], dtypes: list[str], cal
                 say(notes[-1])
                 continue
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
-            sets = feature_inputs(row, dtype, cold_set_count(row.set_bytes()))
-            shared = row_tensors(row, "cuda")
+            sets = feature_inputs(row, dtype, cold_set_count(row.set_bytes(), l2_bytes=l2_bytes), device)
+            shared = row_tensors(row, device)
             ours = evo_call(module, row, shared)
             try:
-                err = float((ours(*sets[0]).float() - reference(row, *sets[0], shared)).abs().max())
-            except (ValueError, TypeError, NotImplementedError) as exc:   # the export refuses the call: one line
-                notes.append(f"{title}: the export refuses the call: {str(exc).strip().splitlines()[0]}")
+                out = ours(*sets[0]).float()
+            except Exception as exc:  # noqa: BLE001 - refused or failed (a compile, a launch): one line, next row
+                notes.append(f"{title}: the call failed: {first_line(exc)}")
                 say(notes[-1])
                 continue
+            try:
+                err = float((out - reference(row, *sets[0], shared)).abs().max())
+            except torch.cuda.OutOfMemoryError as exc:
+                err = math.nan
+                notes.append(f"{title}: no error figure, the fp32 reference ran out of memory: {first_line(exc)}")
+                say(notes[-1])
+            del out
             impls = {"evo": ours, **sdpa_calls(row, sets, shared)}
             fa4, no_fa4 = fa4_call(row, sets, shared) if peers else (None, "")
             if fa4 is not None:
@@ -344,8 +353,15 @@ def measure_features(module: Any, rows: list[FeatureRow], dtypes: list[str], cal
                                     for c in ("device_us", "eager_us") if v}
                                    if r["impl"] == "evo" else {})})
             del sets, shared, impls
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return results, notes
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line (160 characters at most), or its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else type(exc).__name__
 
 
 def feature_block(title: str, row: FeatureRow, measured: list[dict], versus: dict[str, dict], err: float,
