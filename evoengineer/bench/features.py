@@ -29,7 +29,6 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from ..runtime.features import CallFeatures, Uncovered, allowed_keys, attend, repeat_kv, select_kernel
-from ..runtime.varlen import reference_varlen
 from .calls import block_lines, combine_rounds, measure_rounds, speedups
 from .rotation import attention_set_bytes, cold_set_count
 
@@ -283,6 +282,8 @@ def reference(row: FeatureRow, q: Any, k: Any, v: Any, shared: RowTensors) -> An
     """The row's result in fp32 (the same mask, window, cap and lengths), by torch alone."""
     q, k, v = q.float(), k.float(), v.float()
     if row.feature == "varlen":
+        from ..runtime.varlen import reference_varlen   # imports torch: only where a row runs
+
         return reference_varlen(q, k, v, row.offsets, row.offsets, True, None, row.call_features)
     mask = shared.mask if shared.mask is not None else allowed_keys(1, row.seq, row.seq, True, device=q.device)
     return attend(q, k, v, mask, None, row.softcap)
