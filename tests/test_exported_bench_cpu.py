@@ -282,3 +282,306 @@ def test_heat_up_calls_in_turn_for_its_time(monkeypatch) -> None:
     body = seen[3:-1]                                   # c left after its failure; a and b alternate on the sets
     assert body == [(n, i % 3) for i in range(1, passes) for n in "ab"] and passes > calls.HEAT_IN_FLIGHT
     assert len(waited) == passes - calls.HEAT_IN_FLIGHT  # at most HEAT_IN_FLIGHT passes ahead
+
+
+# -- the feature rows (--features): rows, the SDPA side on the CPU, the kernel serving each, flags ---
+
+import importlib.util  # noqa: E402
+import itertools  # noqa: E402
+import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from run_fixtures import LARGE128, MMA, load_module, make_run, space_doc  # noqa: E402
+
+from evoengineer.bench import features as fb  # noqa: E402
+from evoengineer.results import export_runs  # noqa: E402
+from evoengineer.results.per_shape import short_config  # noqa: E402
+from evoengineer.space import Config  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "exported_vs_sdpa.py"
+
+
+def test_feature_rows_are_the_issue_shapes_one_feature_each() -> None:
+    rows = {r.name: r for r in fb.FEATURE_ROWS}
+    assert len(rows) == len(fb.FEATURE_ROWS) and all(len(name) <= 40 for name in rows)
+    by = {(r.feature, r.dims, r.window_left, r.softcap, r.lengths) for r in fb.FEATURE_ROWS}
+    assert ("window", (1, 32, 8, 8192, 8192, 128), 4095, 0.0, ()) in by                   # Mistral 7B's local layers
+    assert ("softcap", (4, 16, 8, 2048, 2048, 256), -1, 50.0, ()) in by                   # Gemma-2's global layers
+    assert ("plain", (4, 32, 32, 2048, 2048, 96), -1, 0.0, ()) in by                      # Phi-3 mini
+    assert ("plain", (4, 16, 8, 2048, 2048, 256), -1, 0.0, ()) in by
+    padded = next(r for r in fb.FEATURE_ROWS if r.feature == "padding")
+    assert padded.dims == (4, 32, 8, 2048, 2048, 128) and len(set(padded.lengths)) == 4 and max(padded.lengths) == 2048
+    packed = [r for r in fb.FEATURE_ROWS if r.feature == "varlen"]
+    assert [r.lengths for r in packed][0] == (1, 17, 1000, 4099) and len(packed[1].lengths) == 16
+    assert packed[0].offsets == [0, 1, 18, 1018, 5117] and packed[0].tokens == 5117 and packed[0].seq == 4099
+    assert {r.feature: r.needed for r in fb.FEATURE_ROWS} == {"window": ("window",), "softcap": ("softcap",),
+                                                             "padding": ("seqlens",), "varlen": ("varlen",), "plain": ()}
+    assert [r.floor for r in fb.FEATURE_ROWS] == [True, True, True, False, False, False, False]
+    assert next(r for r in fb.FEATURE_ROWS if r.feature == "softcap").sdpa == ""     # SDPA cannot soft-cap
+    with pytest.raises(ValueError, match="lengths"):
+        fb.FeatureRow("x", "varlen", 2, 4, 4, 10, 16, lengths=(3, 9))               # the longest must be seq
+    with pytest.raises(ValueError, match="feature"):
+        fb.FeatureRow("x", "alibi", 1, 4, 4, 10, 16)
+
+
+def naive(row: fb.FeatureRow, q, k, v):
+    """The row's result by its definition, one (batch, head, query) at a time in fp64."""
+    q, k, v = q.double(), k.double(), v.double()
+    scale = 1.0 / math.sqrt(row.head_dim)
+    group = row.heads // row.heads_kv
+    out = torch.zeros_like(q)
+    if row.feature == "varlen":
+        spans = list(zip(row.offsets[:-1], row.offsets[1:]))
+    else:
+        spans = [(b, row.seq) for b in range(row.batch)]
+    for b, (first, end) in enumerate(spans):
+        n = end - first if row.feature == "varlen" else row.seq
+        keys = row.lengths[b] if row.feature == "padding" else n
+        for h, i in itertools.product(range(row.heads), range(n)):
+            seen = [j for j in range(n) if j <= i and j < keys and (row.window_left < 0 or j >= i - row.window_left)]
+            if row.feature == "varlen":
+                qi, ks, vs = q[first + i, h], k[first:end, h // group][seen], v[first:end, h // group][seen]
+            else:
+                qi, ks, vs = q[b, h, i], k[b, h // group][seen], v[b, h // group][seen]
+            s = ks @ qi * scale
+            if row.softcap:
+                s = torch.tanh(s / row.softcap) * row.softcap
+            w = torch.softmax(s, dim=0) @ vs
+            if row.feature == "varlen":
+                out[first + i, h] = w
+            else:
+                out[b, h, i] = w
+    return out
+
+
+SMALL_ROWS = [  # each feature at a size the CPU computes by definition in a second
+    fb.FeatureRow("window", "window", 2, 4, 2, 40, 16, window_left=7),
+    fb.FeatureRow("softcap", "softcap", 2, 4, 2, 24, 16, softcap=1.5),
+    fb.FeatureRow("padding", "padding", 3, 4, 2, 32, 16, lengths=(32, 19, 4)),
+    fb.FeatureRow("varlen", "varlen", 4, 4, 2, 21, 16, lengths=(1, 17, 6, 21)),
+    fb.FeatureRow("plain", "plain", 2, 4, 4, 24, 16),
+]
+
+
+@pytest.mark.parametrize("row", SMALL_ROWS, ids=lambda r: r.name)
+def test_the_sdpa_calls_and_the_reference_compute_the_row_on_the_cpu(row) -> None:
+    """``sdpa`` is the same computation as the export's call (its mask, the packed sequences one
+    by one), checked against the definition; ``sdpa floor`` is not (it drops the window, cap or
+    padding); the error's reference is the definition too."""
+    sets = fb.feature_inputs(row, torch.float32, 2, device="cpu")
+    shared = fb.row_tensors(row, "cpu")
+    calls = fb.sdpa_calls(row, sets, shared)
+    q, k, v = sets[1]
+    exact = naive(row, q, k, v)
+    assert float((fb.reference(row, q, k, v, shared).double() - exact).abs().max()) < 1e-5
+    assert ("sdpa" in calls) == (row.feature != "softcap") and (fb.FLOOR in calls) == row.floor
+    if "sdpa" in calls:
+        out = calls["sdpa"](q, k, v)
+        assert out.shape == q.shape and float((out.double() - exact).abs().max()) < 1e-5
+    if row.floor:
+        assert float((calls[fb.FLOOR](q, k, v).double() - exact).abs().max()) > 1e-2
+    # the calls map each set to its own repeated K/V
+    if "sdpa" in calls:
+        assert float((calls["sdpa"](*sets[0]).double() - naive(row, *sets[0])).abs().max()) < 1e-5
+
+
+def test_flash_attn_4_keywords_are_checked_against_its_signature() -> None:
+    def takes(q, k, v, causal=False, window_size=(None, None)):
+        return None
+
+    assert fb.accepts(takes, "window_size") and not fb.accepts(takes, "softcap")
+    assert fb.accepts(lambda *a, **kw: None, "softcap")
+    row = next(r for r in fb.FEATURE_ROWS if r.feature == "window")
+    call, why = fb.fa4_call(row, [], fb.RowTensors())
+    if importlib.util.find_spec("flash_attn") is None:
+        assert call is None and why == "flash-attn-4 is not installed"
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory):
+    """Two exports: the hand-made run's (wmma and mma, fp16 D64 and D128; mma the fallback, with
+    every feature) and one of a single wgmma configuration (no packed sequences)."""
+    root = tmp_path_factory.mktemp("featbench")
+    export_runs([make_run(root / "run")], root / "mixed")
+    wgmma = Config({"PATH": "wgmma", "CONSUMER_WGS": 2, "BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "PRODUCER": 1,
+                    "REG_PRODUCER": 24, "REG_CONSUMER": 240, "INTRA_WG_OVERLAP": 1, "PINGPONG": 1, "LOAD": "tma"})
+    export_runs([make_run(root / "wg-run", {LARGE128: {wgmma: 400.0}}, sdpa={LARGE128: 500.0}, space=space_doc())],
+                root / "wgmma")
+    return root, load_module(root / "mixed"), load_module(root / "wgmma"), wgmma
+
+
+def test_the_kernel_serving_each_row_or_one_line_why_none(exports) -> None:
+    _, mixed, wgmma_only, wgmma = exports
+    window = fb.FeatureRow("B4 H16 S2048 D128 window 255", "window", 4, 16, 16, 2048, 128, window_left=255)
+    packed = fb.FeatureRow("varlen D128", "varlen", 2, 16, 16, 900, 128, lengths=(100, 900))
+    plain64 = fb.FeatureRow("B4 H16 S2048 D64", "plain", 4, 16, 16, 2048, 64)
+    assert fb.serving_kernel(mixed, "fp16", window) == ("", MMA.key())      # the fallback's kernel with every feature
+    assert fb.serving_kernel(mixed, "fp16", packed) == ("", MMA.key())
+    assert fb.serving_kernel(mixed, "fp16", plain64) == ("", mixed.dispatch("fp16", 64, True, 4, 16, 2048, 2048))
+    d256 = next(r for r in fb.FEATURE_ROWS if r.name == "B4 H16/8 S2048 D256")
+    assert fb.serving_kernel(mixed, "fp16", d256) == ("no fp16 D256 causal kernel in this export", "")
+    assert fb.serving_kernel(mixed, "bf16", window) == ("no bf16 kernels in this export", "")
+    assert fb.serving_kernel(wgmma_only, "fp16", window) == ("", wgmma.key())
+    assert fb.serving_kernel(wgmma_only, "fp16", packed) == ("no fp16 D128 causal kernel with varlen", "")
+    lines = fb.list_lines([window, packed], ["fp16"], wgmma_only)
+    assert lines[0] == f"B4 H16 S2048 D128 window 255 fp16: {wgmma_only.CONFIGS[wgmma.key()]['short']}"
+    assert "varlen D128 fp16: no fp16 D128 causal kernel with varlen" in lines
+    assert all(len(line) <= 80 for line in lines)
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("exported_vs_sdpa", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--features", "--decode", "--list"], "--features and --decode: pick one set of rows"),
+    (["--features", "--shape", "B4 H16 S2048 D64"], "--shape 'B4 H16 S2048 D64': not one of B1 H32/8 S8192 D128 window"),
+    (["--shape", "B4 H32 S2048 D96"], "--shape 'B4 H32 S2048 D96': not one of B1 H8 S512 D64, "),
+    (["--features"], "--module: required"),
+    (["--features", "--module", "nowhere"], "nowhere: no kernel.json"),
+    (["--features", "--list", "--launch-paths"], "--launch-paths: the raw launch calls go with the default rows"),
+])
+def test_flags_that_do_not_combine_are_one_line_and_exit_2(argv, error, capsys) -> None:
+    assert script().main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {error}") and err.count("\n") == 1
+
+
+def test_list_prints_the_feature_rows_and_the_kernel_serving_each_without_a_gpu(exports) -> None:
+    root = exports[0]
+    names = [r.name for r in fb.FEATURE_ROWS]
+    mod = script()
+    args = mod.parse_args(["--features", "--shape", names[0], "--shape", names[5]])
+    assert args.features and mod.check_args(args) == "--module: required (an export directory: evoengineer export "\
+                                                      "... --out DIR)"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--features", "--list", "--module", str(root / "mixed"),
+                           "--dtype", "fp16", "--shape", names[0], "--shape", names[5]], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    # the hand-made export (fp16 only; bf16 is --features' default): the window on mma's kernel
+    # with every feature, its fallback's; no D96 kernel
+    assert done.stdout.splitlines() == [
+        f"{names[0]} fp16: {short_config(MMA.to_dict())}",
+        "  sdpa: the window as a boolean mask, K/V repeated to the query heads",
+        "  sdpa floor: SDPA's plain causal call (not the same computation)",
+        f"{names[5]} fp16: no fp16 D96 causal kernel in this export",
+        "  sdpa: is_causal"]
+
+
+def feature_result(shape: str, sdpa: float | None, floor: float | None, fa4: float | None, err: float = 2e-3) -> dict:
+    row = {"shape": shape, "dtype": "bf16", "causal": True, "impl": "evo", "status": "ok", "max_abs_err": err}
+    for tag, value in (("sdpa", sdpa), ("floor", floor), ("fa4", fa4)):
+        if value is not None:
+            row[f"speedup_{tag}_device_us"] = value
+    return row
+
+
+def test_the_feature_summary_counts_rows_against_sdpa_or_its_floor_and_fa4() -> None:
+    results = [feature_result("B1 H32/8 S8192 D128 window 4095", 3.2, 0.97, 1.02),
+               {"shape": "B1 H32/8 S8192 D128 window 4095", "impl": "sdpa", "status": "ok"},
+               feature_result("B4 H16/8 S2048 D256 softcap 50", None, 0.91, None),
+               feature_result("varlen 1,17,1000,4099 H32/8 D128", 1.8, None, 0.8)]
+    lines = fb.feature_summary_lines(results)
+    assert all(len(line) <= 80 for line in lines)
+    assert lines[2].split() == ["B1", "H32/8", "S8192", "D128", "window", "4095", "bf16", "3.20", "0.97", "1.02",
+                                "2.0e-03"]
+    assert lines[3].split()[-4:] == ["-", "0.91", "-", "2.0e-03"]
+    assert lines[-2] == "  ×sdpa >= 1.0 (the floor where SDPA has no such call): 2 of 3 rows"
+    assert lines[-1] == "  ×fa4 >= 1.0: 1 of 2 rows"
+    assert fb.feature_summary_lines([]) == []
+
+
+def test_a_feature_rows_block_shows_each_ratio_within_80_columns() -> None:
+    # ours 10 and 11 µs (eager 13, 14) in two rounds; the floor 9 (12), fa4 8 (60): paired medians
+    # 0.86 (9/10, 9/11) and 0.89 eager, fa4 0.76 and 4.45
+    ours = calls.combine_rounds("evo", [a_round(t, t + 3, t) for t in (10.0, 11.0)])
+    floor = calls.combine_rounds(fb.FLOOR, [a_round(9.0, 12.0, 9.0)] * 2)
+    fa4 = calls.combine_rounds("fa4", [a_round(8.0, 60.0, 8.0)] * 2)
+    measured = [{**ours, "impl": "evo"}, {**floor, "impl": fb.FLOOR}, {**fa4, "impl": "fa4"}]
+    softcap = next(r for r in fb.FEATURE_ROWS if r.feature == "softcap")
+    versus = {theirs: calls.speedups(measured, theirs=theirs) for theirs in ("sdpa", fb.FLOOR, "fa4")}
+    lines = fb.feature_block("B4 H16/8 S2048 D256 softcap 50 bf16: dtma 128x80 st2", softcap, measured, versus, 2.5e-3)
+    assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
+    assert "  sdpa: none, SDPA cannot soft-cap" in lines
+    assert not any(line.startswith("  ×sdpa") for line in lines)
+    assert "  ×floor device 0.86 eager 0.89 (SDPA plain causal: not the same computation)" in lines
+    assert lines[-2] == "  ×fa4 device 0.76 eager 4.45" and lines[-1].endswith(": 2.5e-03")
+    padded = next(r for r in fb.FEATURE_ROWS if r.feature == "padding")
+    assert fb.feature_block("t", padded, measured, {**versus, "fa4": {}}, 1e-3, "flash-attn-4 is not installed")[-2] \
+        == "  fa4: none, flash-attn-4 is not installed"
+
+
+def test_feature_rows_measured_end_to_end_with_torch_in_place_of_the_kernels(exports, monkeypatch) -> None:
+    """measure_features over a real export's tables, its calls answered on the CPU by the
+    runtime's torch reference (what the kernels compute) and its timing by the Recorder: the
+    rows' calls take the right arguments, a row without a kernel is one line, each measured row
+    prints its block and gives a result per implementation with the ratios on evo's."""
+    from types import SimpleNamespace
+
+    from evoengineer.runtime.features import call_features, reference_attention
+    from evoengineer.runtime.varlen import reference_varlen
+
+    mixed = exports[1]
+    asked: list[str] = []
+
+    def attention(q, k, v, is_causal=False, enable_gqa=False, window_size=None, softcap=None, seqlens_k=None):
+        asked.append(f"attention window={window_size} softcap={softcap} seqlens={seqlens_k is not None}")
+        return reference_attention(q, k, v, is_causal, None, enable_gqa, call_features(window_size, softcap, seqlens_k),
+                                   seqlens_k)
+
+    def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):
+        asked.append(f"varlen {cu_q.tolist()} {max_q}")
+        return reference_varlen(q, k, v, cu_q.tolist(), cu_k.tolist(), is_causal)
+
+    module = SimpleNamespace(**{name: getattr(mixed, name) for name in ("DTYPES", "DISPATCH", "GQA", "KERNELS",
+                                                                        "CONFIGS", "dispatch")},
+                             attention=attention, attention_varlen=attention_varlen)
+    rows = [fb.FeatureRow("window", "window", 1, 4, 2, 48, 128, window_left=9),
+            fb.FeatureRow("padding", "padding", 2, 4, 2, 32, 128, lengths=(32, 7)),
+            fb.FeatureRow("varlen", "varlen", 3, 4, 2, 20, 128, lengths=(1, 20, 5)),
+            fb.FeatureRow("softcap", "softcap", 2, 4, 2, 16, 256, softcap=20.0)]
+    class Calling(Recorder):
+        """The Recorder's figures; each measurement calls the implementation once on a set."""
+
+        def _record(self, what: str, fn) -> str:
+            q = self.sets[len(self.calls) % len(self.sets)][0]
+            out = fn(*self.sets[len(self.calls) % len(self.sets)])
+            self.calls.append((what, tuple((out[0] if isinstance(out, tuple) else out).shape) == tuple(q.shape)))
+            return what
+
+        def heat_up(self, fns, sets, ms) -> int:
+            self.sets = sets
+            self.calls.append(("heat", len(fns)))
+            return 1
+
+    rec = Calling()
+    for name in ("heat_up", "device_times", "eager_times", "graph_times"):
+        monkeypatch.setattr(calls, name, getattr(rec, name))
+    monkeypatch.setattr(calls, "synchronize", lambda: None)
+    said: list[str] = []
+    results, notes = fb.measure_features(module, rows, ["fp16"], 200, 10, 2, say=said.append, peers=False,
+                                         device="cpu", l2_bytes=40_000)
+    assert list(dict.fromkeys(asked)) == ["attention window=(9, 0) softcap=None seqlens=False",
+                         "attention window=None softcap=None seqlens=True", "varlen [0, 1, 21, 26] 20"]
+    assert notes == ["softcap fp16: no fp16 D256 causal kernel in this export"] and notes[0] in said
+    assert [(r["shape"], r["impl"]) for r in results] == [
+        ("window", "evo"), ("window", "sdpa"), ("window", fb.FLOOR), ("padding", "evo"), ("padding", "sdpa"),
+        ("padding", fb.FLOOR), ("varlen", "evo"), ("varlen", "sdpa")]
+    # per row a heat-up of its 3, 3 and 2 implementations, then two rounds of device, eager and
+    # graph of each; every call's output has q's shape
+    assert [c for c in rec.calls if c[0] == "heat"] == [("heat", 3), ("heat", 3), ("heat", 2)]
+    assert len(rec.calls) == 3 + 2 * 3 * (3 + 3 + 2) and all(ok for what, ok in rec.calls if what != "heat")
+    evo = [r for r in results if r["impl"] == "evo"]
+    assert all(r["max_abs_err"] < 1e-2 and r["status"] == "ok" for r in evo)   # fp16 against fp32
+    assert evo[0]["speedup_sdpa_device_us"] == 1.0 and evo[0]["speedup_floor_device_us"] == 1.0
+    assert "speedup_floor_device_us" not in evo[2] and evo[2]["lengths"] == [1, 20, 5]
+    assert f"window fp16: {short_config(MMA.to_dict())}" in said
+    assert all(len(line) <= 80 for line in said), [line for line in said if len(line) > 80]
+    assert fb.feature_summary_lines(results)[-2].endswith(": 3 of 3 rows")
