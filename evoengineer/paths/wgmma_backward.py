@@ -15,8 +15,9 @@ Parameters:
 
 - ``BLOCK_N``: keys per CTA, 64 per consumer warpgroup (``CONSUMER_WGS`` 1 or 2),
 - ``BLOCK_M``: query rows per tile (64 or 128; the S^T and dP^T accumulators, BLOCK_M floats a
-  thread, live beside dK's and dV's, head_dim floats),
-- ``STAGES``: 1 or 2 (the next Q/dO tile loads by cp.async during this one),
+  thread, live beside dK's and dV's, head_dim floats: BLOCK_M + head_dim <= 192, <= 128 where one
+  warpgroup prefetches the next tile alone),
+- ``STAGES``: 1 or 2 (the next Q/dO tile loads by cp.async while dV and dK of this one run),
 - ``DQ_MODE``: ``atomic`` only (fp32 reductions into the workspace, then the conversion kernel).
 
 Not yet: TMA loads with an mbarrier ring, a producer warpgroup with register reallocation, a
@@ -36,8 +37,10 @@ HEAD_DIMS = (64, 128)
 DQ_MODES = ("atomic",)
 ARCH = "sm_90a"
 MAX_ACCUMULATORS = 192
-"""fp32 accumulators a consumer thread keeps across a tile: S^T and dP^T (BLOCK_M / 2 each) with dK
-and dV (head_dim / 2 each); past 192 the kernel spills (255 registers a thread)."""
+"""Registers of a consumer thread's budget (``accumulators``) past which the kernel spills (255 a thread)."""
+LONE_PREFETCH = 64
+"""What one warpgroup that prefetches the next Q/dO tile alone (CONSUMER_WGS 1, STAGES 2) adds: twice the
+loads' addresses a thread (ptxas spilled 24 to 136 bytes at D64 BLOCK_M 128 and D128 BLOCK_M 64)."""
 
 
 def threads(c: Scope) -> int:
@@ -46,8 +49,10 @@ def threads(c: Scope) -> int:
 
 
 def accumulators(c: Scope, head_dim: int) -> int:
-    """fp32 accumulator registers a consumer thread holds at once (see ``MAX_ACCUMULATORS``)."""
-    return int(c["BLOCK_M"]) + head_dim
+    """A consumer thread's register budget: S^T and dP^T (BLOCK_M / 2 floats each) with dK and dV
+    (head_dim / 2 each), and ``LONE_PREFETCH`` where one warpgroup prefetches alone."""
+    lone = int(c["CONSUMER_WGS"]) == 1 and int(c["STAGES"]) == 2
+    return int(c["BLOCK_M"]) + head_dim + (LONE_PREFETCH if lone else 0)
 
 
 def kernel_smem(c: Scope, head_dim: int) -> dict[str, int]:
@@ -71,8 +76,9 @@ RULES = (
     rule(NAME, "rows", "BLOCK_M is 64 or 128", "BLOCK_M", lambda c: c["BLOCK_M"] in (64, 128)),
     rule(NAME, "stages", "STAGES is 1 or 2", "STAGES", lambda c: c["STAGES"] in (1, 2)),
     rule(NAME, "dq-mode", f"DQ_MODE is one of {', '.join(DQ_MODES)}", "DQ_MODE", lambda c: c["DQ_MODE"] in DQ_MODES),
-    rule(NAME, "registers", f"S^T, dP^T, dK and dV accumulators (BLOCK_M + head dim floats) within {MAX_ACCUMULATORS}",
-         "BLOCK_M", lambda c: accumulators(c, c["MAX_HEAD_DIM"]) <= MAX_ACCUMULATORS),
+    rule(NAME, "registers", f"S^T, dP^T, dK and dV accumulators (BLOCK_M + head dim floats, {LONE_PREFETCH} more where "
+         f"one warpgroup prefetches the next tile alone) within {MAX_ACCUMULATORS}", "BLOCK_M CONSUMER_WGS STAGES",
+         lambda c: accumulators(c, c["MAX_HEAD_DIM"]) <= MAX_ACCUMULATORS),
     rule(NAME, "smem", "every kernel's tiles fit the shared memory per block", "BLOCK_M BLOCK_N STAGES",
          lambda c: smem_bytes(c, c["MAX_HEAD_DIM"]) <= c["SMEM_LIMIT"]),
 )
