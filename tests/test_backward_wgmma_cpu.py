@@ -76,6 +76,7 @@ def test_the_rules_name_what_they_refuse() -> None:
     assert problems(wgmma_config(64, 128).replace(CONSUMER_WGS=1), 64)[0].startswith("BLOCK_N 128 CONSUMER_WGS 1: wgmma.keys:")
     assert problems(wgmma_config(64, 128).replace(DQ_MODE="separate"), 64)[0].startswith("DQ_MODE separate: wgmma.dq-mode:")
     assert problems(Config(PATH="wmma", BLOCK_M=64, BLOCK_N=64), 64) == ["PATH 'wmma': the backward's paths are mma, wgmma"]
+    assert problems(wgmma_config(64, 128).replace(DKDV="tiles"), 64) == ["PATH wgmma: the wgmma path does not use DKDV"]
     # the arch is the space's: an sm_90 space (no wgmma) refuses the path
     scope = RULES.scope(wgmma_config(64, 128), {"ARCH_NAME": "sm_90", "MIN_HEAD_DIM": 64, "MAX_HEAD_DIM": 64,
                                                "SMEM_LIMIT": 232448})
@@ -119,3 +120,13 @@ def test_every_valid_wgmma_configuration_compiles_for_sm90a_without_spills() -> 
     assert not spilled, spilled
     assert not any(r.wgmma_serialized for r in results)
     assert len(builds) == 4 * (7 + 3)
+
+
+def test_an_export_takes_a_wgmma_backward_by_name_or_parameters() -> None:
+    from evoengineer.results.export_backward import parse_backward_option, short_backward
+
+    assert parse_backward_option("D128:w64n128") == {128: WGMMA_CONFIGS[128]["w64n128"]}
+    assert parse_backward_option("PATH=wgmma,BLOCK_M=64,BLOCK_N=128,CONSUMER_WGS=2") == {
+        64: wgmma_config(64, 128), 128: wgmma_config(64, 128)}
+    assert parse_backward_option("PATH=wgmma,BLOCK_M=128,BLOCK_N=128,CONSUMER_WGS=2") == {64: wgmma_config(128, 128)}
+    assert short_backward(wgmma_config(64, 128)) == "bwd wgmma 64x128 st2 atomic"

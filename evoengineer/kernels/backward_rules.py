@@ -73,6 +73,9 @@ def problems(config: Config, head_dim: int) -> list[str]:
     missing = [name for name in module.PARAMS if v.get(name) is None]
     if missing:
         return [f"{name}: missing" for name in missing]
+    unused = [name for name in v if name != "PATH" and name not in module.PARAMS]
+    if unused:
+        return [f"PATH {v['PATH']}: the {v['PATH']} path does not use {name}" for name in unused]
     scope = {**v, "HEAD_DIMS": (head_dim,), "MIN_HEAD_DIM": head_dim, "MAX_HEAD_DIM": head_dim, "SMEM_LIMIT": math.inf}
     out = []
     for rule in module.RULES:
