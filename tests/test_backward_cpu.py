@@ -140,7 +140,7 @@ def test_grids_run_over_query_rows_or_key_rows() -> None:
     (backward_config(64, 64, dq_mode="sometimes"), 64, "DQ_MODE"),
     (backward_config(64, 64, dq_block_n=48), 64, "DQ_BLOCK_M"),
     (backward_config(64, 64), 96, "HEAD_DIM 96"),
-    (backward_config(64, 64).replace(PATH="wgmma"), 64, "PATH"),
+    (backward_config(64, 64).replace(PATH="wmma"), 64, "PATH"),
     (backward_config(32, 128, dkdv="tiles"), 128, "BLOCK_M 32"),
     (backward_config(64, 128, dkdv="diagonal"), 128, "DKDV"),
 ])

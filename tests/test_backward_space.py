@@ -81,7 +81,9 @@ def test_the_kept_backward_configurations_obey_the_path_rules_and_the_template_r
     ({"problem": {"dtype": "fp16", "shapes": [{"B": 1, "H": 2, "S": 64, "D": 96}]}}, "problem.shapes[0].D", "got 96"),
     ({"problem": {"dtype": "fp16", "shapes": [{"B": 1, "H": 2, "S": 64, "D": 64, "softcap": 30.0}]}}, "problem.shapes",
      "no soft cap"),
-    ({"paths": {"wgmma": {"params": {"BLOCK_M": [64]}}}}, "paths.wgmma", "no kernel path 'wgmma'"),
+    ({"paths": {"scalar": {"params": {"BLOCK_M": [64]}}}}, "paths.scalar", "no kernel path 'scalar'"),
+    ({"paths": {"wgmma": {"params": {"BLOCK_M": [64], "BLOCK_N": [128], "PINGPONG": [1]}}}}, "paths.wgmma.params.PINGPONG",
+     "does not use PINGPONG"),
     ({"paths": {"mma": {"params": {"WARPS": [4]}}}}, "paths.mma.params.WARPS", "does not use WARPS"),
 ])
 def test_a_backward_space_file_that_cannot_be_built_stops_in_one_line(tmp_path: Path, changes: dict, key: str,
@@ -156,12 +158,18 @@ def test_a_backward_search_replays_on_two_devices_and_resumes_as_a_forward_one(t
     H200 recorded (``tests/data/h200_backward_d64.jsonl``), replayed on two simulated devices."""
     recording = Path(__file__).parent / "data" / "h200_backward_d64.jsonl"
     run = tmp_path / "run"
-    args = ["search", "--space", "h100-backward", "--shape", "4,16,2048,64", "--replay", str(recording), "--strategy",
+    # the space as recorded: its mma path (the wgmma path came later)
+    doc = _doc()
+    doc["paths"].pop("wgmma")
+    doc["search"]["seeds"] = [s for s in doc["search"]["seeds"] if s.get("PATH", "mma") == "mma"]
+    space = tmp_path / "h100-backward.yaml"
+    space.write_text(yaml.safe_dump(doc))
+    args = ["search", "--space", str(space), "--shape", "4,16,2048,64", "--replay", str(recording), "--strategy",
             strategy, "--trials", "8", "--devices", "0,1", "--run-dir", str(run), "--quiet"]
     done = subprocess.run([sys.executable, "-m", "evoengineer", *args], capture_output=True, text=True, timeout=600,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr + done.stdout
-    resumed = subprocess.run([sys.executable, "-m", "evoengineer", "search", "--space", "h100-backward", "--replay",
+    resumed = subprocess.run([sys.executable, "-m", "evoengineer", "search", "--space", str(space), "--replay",
                               str(recording), "--run-dir", str(run), "--resume", "--trials", "12", "--quiet"],
                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr + resumed.stdout

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..kernels import Rendered, compile_source, render
+from ..kernels.compile import arch_for_device
 from ..kernels.backward_rules import (
     BACKWARD_TEMPLATE,
     FORWARD_TEMPLATE,
@@ -24,6 +25,7 @@ from ..kernels.backward_rules import (
     forward_lse_config,
     problems,
 )
+from ..runtime.loading import required_arch
 from ..space import Config, Variant
 from .launch import LOG2E, AttentionKernel, LaunchError, cupy_stream, torch_dtype
 
@@ -157,6 +159,11 @@ def _build(template: str, config: Config, variant: Variant, device: Any) -> tupl
     except ValueError as exc:
         raise BackwardBuildError(f"{template} {config.label()} {variant.label()}: {exc}") from None
     arch = device_arch(device)
+    required = required_arch(rendered.source)   # wgmma: sm_90a, on an sm_90 device only
+    if required is not None:
+        arch = arch_for_device(arch, required)
+        if arch != required:
+            raise BackwardBuildError(f"{template} {config.label()} {variant.label()}: needs {required}, the device is {arch}")
     result = compile_source(rendered.source, arch)
     if not result.ok or result.cubin_path is None:
         raise BackwardBuildError(f"{template} {config.label()} {variant.label()} ({arch}): {result.error}")

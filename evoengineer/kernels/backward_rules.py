@@ -1,9 +1,10 @@
 """The backward pass's configurations: the kept ones, launches and arguments.
 
-A backward configuration is a ``Config`` of the backward's ``mma`` path, whose parameters,
-validity and shared memory ``evoengineer.paths.mma_backward`` owns (``templates/flash_attention_bwd.cu.j2``,
-``_attn_bwd_mma.cuh.j2``, honours them; the CPU tests check both agree). The forward that feeds it
-is an ``mma`` forward with ``WRITE_LSE=1`` (``forward_lse_config``).
+A backward configuration is a ``Config`` of one of the backward's paths, ``mma`` or ``wgmma``, whose
+parameters, validity and shared memory ``evoengineer.paths.mma_backward`` and ``wgmma_backward`` own
+(``templates/flash_attention_bwd.cu.j2``, ``_attn_bwd_mma.cuh.j2`` and ``_attn_bwd_wgmma.cuh.j2``
+honour them; the CPU tests check both agree). A configuration without PATH is an mma one. The forward
+that feeds it is an ``mma`` forward with ``WRITE_LSE=1`` (``forward_lse_config``).
 """
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import json
 import math
 from dataclasses import dataclass
 
+from types import ModuleType
+
 from ..paths import mma_backward as rules
+from ..paths import wgmma_backward
 from ..space import Config
 from .render import Rendered, parameter_kinds
 
@@ -22,6 +26,9 @@ HEAD_DIMS = rules.HEAD_DIMS
 DKDV_LAYOUTS = rules.DKDV_LAYOUTS
 TILES_WARPS = rules.TILES_WARPS
 DEFAULTS: dict[str, int | str] = {"PATH": "mma", **rules.DEFAULTS}
+"""What an mma backward configuration takes for a parameter it leaves out (and PATH: mma)."""
+PATH_RULES: dict[str, ModuleType] = {"mma": rules, "wgmma": wgmma_backward}
+"""Each backward path's rules module, by its PATH value."""
 ROW_THREADS = 128
 """Threads of the per-row kernels (preprocess, dQ conversion): 16-byte chunks, one per thread."""
 
@@ -33,27 +40,45 @@ def backward_config(block_m: int, block_n: int, *, stages: int = 2, dq_mode: str
                   DQ_BLOCK_M=dq_block_m, DQ_BLOCK_N=dq_block_n)
 
 
+def wgmma_config(block_m: int, block_n: int, *, stages: int = 2) -> Config:
+    """A wgmma backward configuration with every parameter spelled out (64 keys per warpgroup)."""
+    return Config(PATH="wgmma", BLOCK_M=block_m, BLOCK_N=block_n, CONSUMER_WGS=block_n // 64, STAGES=stages,
+                  DQ_MODE="atomic")
+
+
+def path_defaults(config: Config) -> dict[str, int | str]:
+    """PATH and the parameters ``config``'s path takes where it leaves them out (mma without PATH)."""
+    path = str(dict(config).get("PATH", "mma"))
+    module = PATH_RULES.get(path)
+    return {"PATH": path, **(module.DEFAULTS if module is not None else {})}
+
+
 def _values(config: Config) -> dict[str, int | str]:
-    return {**DEFAULTS, **dict(config)}
+    return {**path_defaults(config), **dict(config)}
 
 
 def warps(config: Config) -> int:
-    """Warps of the dK/dV kernel: strips, one per 16 keys of its tile; tiles, 8."""
-    return rules.warps(_values(config))
+    """Warps of the dK/dV kernel: mma strips, one per 16 keys of its tile; mma tiles, 8; wgmma, 4 per warpgroup."""
+    v = _values(config)
+    return wgmma_backward.threads(v) // 32 if v["PATH"] == "wgmma" else rules.warps(v)
 
 
 def problems(config: Config, head_dim: int) -> list[str]:
     """Why ``config`` cannot build for ``head_dim`` (one line each, the path's rule texts); empty when
-    it can. Shared memory is not checked here (``fits``)."""
+    it can. Shared memory is not checked here (``fits``), nor the arch (wgmma: sm_90a, at the compile)."""
     v = _values(config)
-    if v["PATH"] != "mma":
-        return [f"PATH {v['PATH']!r}: the backward has the mma path only"]
-    missing = [name for name in rules.PARAMS if v.get(name) is None]
+    module = PATH_RULES.get(str(v["PATH"]))
+    if module is None:
+        return [f"PATH {v['PATH']!r}: the backward's paths are {', '.join(PATH_RULES)}"]
+    missing = [name for name in module.PARAMS if v.get(name) is None]
     if missing:
         return [f"{name}: missing" for name in missing]
+    unused = [name for name in v if name != "PATH" and name not in module.PARAMS]
+    if unused:
+        return [f"PATH {v['PATH']}: the {v['PATH']} path does not use {name}" for name in unused]
     scope = {**v, "HEAD_DIMS": (head_dim,), "MIN_HEAD_DIM": head_dim, "MAX_HEAD_DIM": head_dim, "SMEM_LIMIT": math.inf}
     out = []
-    for rule in rules.RULES:
+    for rule in module.RULES:
         try:
             ok = rule(scope)
         except (TypeError, ValueError, ArithmeticError):
@@ -66,7 +91,8 @@ def problems(config: Config, head_dim: int) -> list[str]:
 
 def smem_bytes(config: Config, head_dim: int) -> dict[str, int]:
     """Dynamic shared memory of each kernel (bytes), as the template declares it."""
-    return rules.kernel_smem(_values(config), head_dim)
+    v = _values(config)
+    return PATH_RULES[str(v["PATH"])].kernel_smem(v, head_dim)
 
 
 def fits(config: Config, head_dim: int, smem_per_block: int) -> bool:
@@ -112,6 +138,24 @@ SPILLS_ALLOWED: dict[tuple[int, str], int] = {
 """(head dim, name) -> the most spill bytes (stores + loads, per ptxas, any variant and arch) the CPU
 tests accept: ``tiles`` configurations at 255 registers whose spills are a few loop-invariant addresses
 (D128 t64n128: 9 loads per 320 mma.sync of an iteration); on an H200 they were the fastest anyway."""
+
+
+WGMMA_CONFIGS: dict[int, dict[str, Config]] = {
+    64: {
+        "w64n64": wgmma_config(64, 64),
+        "w64n128": wgmma_config(64, 128),
+        "w128n128": wgmma_config(128, 128),
+        "w128n64-st1": wgmma_config(128, 64, stages=1),
+    },
+    128: {
+        "w64n128": wgmma_config(64, 128),
+        "w64n64-st1": wgmma_config(64, 64, stages=1),
+        "w64n128-st1": wgmma_config(64, 128, stages=1),
+    },
+}
+"""Named configurations of the wgmma path per head dim (sm_90a only): each compiles for sm_90a without
+spills in both dtypes, full and causal (CPU tests). On an H200, bf16 B4 H16 S2048, warm L2: D64 w128n128
+560 us full, 352 causal (the mma default 745, 446); D128 w64n64-st1 1097 us full, 645 causal (mma 1297, 750)."""
 
 
 def default_config(head_dim: int, *, deterministic_dq: bool = False) -> Config:

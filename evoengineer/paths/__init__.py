@@ -3,7 +3,7 @@ configuration, its shared-memory and register budget, its launch shape and its l
 
 A path is a value of the ``PATH`` parameter and one include of a template: the forward's
 ``flash_attention`` (``scalar``, ``wmma``, ``mma``, ``wgmma``) or the backward's
-``flash_attention_bwd`` (``mma``). The space applies a path's rules to every
+``flash_attention_bwd`` (``mma``, ``wgmma``). The space applies a path's rules to every
 configuration of it (a space file restates none of them) and lets constraints call its budgets
 (``smem_bytes()``, ``threads()``); the renderer hands the budgets to the template; the tests
 compare the template's launches with them.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from . import mma, mma_backward, scalar, wgmma, wmma
+from . import mma, mma_backward, scalar, wgmma, wgmma_backward, wmma
 from .base import KernelPath, Rule, Scope
 
 FORWARD_TEMPLATE = "flash_attention"
@@ -23,7 +23,7 @@ PATHS: dict[str, KernelPath] = {p.PATH.name: p.PATH for p in (scalar, wmma, mma,
 """Every path of the forward template, by its ``PATH`` value."""
 TEMPLATE_PATHS: dict[str, dict[str, KernelPath]] = {
     FORWARD_TEMPLATE: PATHS,
-    BACKWARD_TEMPLATE: {mma_backward.PATH.name: mma_backward.PATH},
+    BACKWARD_TEMPLATE: {p.PATH.name: p.PATH for p in (mma_backward, wgmma_backward)},
 }
 """Every template's paths, by template name (a template without paths of its own: the forward's)."""
 
@@ -69,10 +69,10 @@ def path_of(config: Mapping[str, Any], template: str = FORWARD_TEMPLATE) -> Kern
 
 
 def label_path(values: Mapping[str, Any]) -> KernelPath | None:
-    """The path whose label tokens a configuration takes: the backward's where it has the
-    backward's own parameters (DKDV), else the forward's path of its PATH (None: no such path)."""
-    if "DKDV" in values:
-        return mma_backward.PATH
+    """The path whose label tokens a configuration takes: the backward's path of its PATH where it
+    has the backward's own parameters (DKDV, DQ_MODE), else the forward's (None: no such path)."""
+    if "DKDV" in values or "DQ_MODE" in values:
+        return TEMPLATE_PATHS[BACKWARD_TEMPLATE].get(str(values.get("PATH")), mma_backward.PATH)
     return PATHS.get(str(values.get("PATH")))
 
 

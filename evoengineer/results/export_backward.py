@@ -15,12 +15,13 @@ from typing import Any, Sequence
 from ..kernels import Rendered
 from ..kernels.backward_rules import (
     BACKWARD_CONFIGS,
-    DEFAULTS,
     HEAD_DIMS,
+    WGMMA_CONFIGS,
     backward_arguments,
     backward_launches,
     default_config,
     deterministic,
+    path_defaults,
     problems,
 )
 from ..space import Config
@@ -113,7 +114,7 @@ def measured_backward(paths: Sequence[Path]) -> tuple[list[MeasuredBackward], di
 
 def parse_backward_option(text: str) -> dict[int, Config]:
     """A ``--backward`` value as head dim -> configuration: ``[D<head_dim>:]NAME`` (a configuration
-    of ``BACKWARD_CONFIGS``; without a head dim, for each head dim that has that name) or
+    of ``BACKWARD_CONFIGS`` or ``WGMMA_CONFIGS``; without a head dim, for each head dim that has that name) or
     ``[D<head_dim>:]BLOCK_M=32,BLOCK_N=64,...`` (parameters over the defaults; without a head dim,
     for each head dim it is valid for). ExportError in one line for anything else."""
     head_dim: int | None = None
@@ -128,7 +129,8 @@ def parse_backward_option(text: str) -> dict[int, Config]:
     dims = [head_dim] if head_dim is not None else list(HEAD_DIMS)
     if "=" in body:
         try:
-            config = Config({**DEFAULTS, **Config.parse(body)})
+            parsed = Config.parse(body)
+            config = Config({**path_defaults(parsed), **parsed})
         except ValueError as exc:
             raise ExportError(f"--backward {text!r}: {exc}") from None
         found = {d: problems(config, d) for d in dims}
@@ -136,9 +138,10 @@ def parse_backward_option(text: str) -> dict[int, Config]:
         if not valid or (head_dim is not None and found[head_dim]):
             raise ExportError(f"--backward {text!r}: {next(f for f in found.values() if f)[0]}")
         return valid
-    named = {d: BACKWARD_CONFIGS[d][body] for d in dims if body in BACKWARD_CONFIGS[d]}
+    kept = {d: {**BACKWARD_CONFIGS[d], **WGMMA_CONFIGS.get(d, {})} for d in dims}
+    named = {d: kept[d][body] for d in dims if body in kept[d]}
     if not named:
-        names = sorted({n for d in dims for n in BACKWARD_CONFIGS[d]})
+        names = sorted({n for d in dims for n in kept[d]})
         raise ExportError(f"--backward {text!r}: no configuration {body!r}; named ones: {', '.join(names)}")
     return named
 
@@ -172,9 +175,12 @@ def workspaces(rendered: Rendered, config: Config, head_dim: int) -> dict[str, i
 
 
 def short_backward(config: Config) -> str:
-    """``bwd 64x128 st2 atomic``, ``bwd tiles 64x128 st2 sep 64x64``: a backward configuration in
-    tables (``tiles``: the dK/dV kernel with 2-D warp tiles, DKDV=tiles)."""
-    v = {**DEFAULTS, **dict(config)}
+    """``bwd 64x128 st2 atomic``, ``bwd tiles 64x128 st2 sep 64x64``, ``bwd wgmma 64x128 st2 atomic``: a
+    backward configuration in tables (``tiles``: the dK/dV kernel with 2-D warp tiles, DKDV=tiles;
+    ``wgmma``: the wgmma path)."""
+    v = {**path_defaults(config), **dict(config)}
+    if v["PATH"] == "wgmma":
+        return f"bwd wgmma {v['BLOCK_M']}x{v['BLOCK_N']} st{v['STAGES']} {v['DQ_MODE']}"
     dq = "atomic" if v["DQ_MODE"] == "atomic" else f"sep {v['DQ_BLOCK_M']}x{v['DQ_BLOCK_N']}"
     kind = "tiles " if v.get("DKDV") == "tiles" else ""
     return f"bwd {kind}{v['BLOCK_M']}x{v['BLOCK_N']} st{v['STAGES']} {dq}"

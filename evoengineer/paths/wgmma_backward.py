@@ -1,0 +1,97 @@
+"""The backward's wgmma path (``templates/_attn_bwd_wgmma.cuh.j2``, Hopper sm_90a): the dK/dV kernel on
+warpgroup MMA, with the mma path's preprocess and dQ conversion kernels around it.
+
+One CTA per (BLOCK_N keys, batch, K/V head) holds K and V in shared memory (128-byte swizzle) and
+walks the query tiles (BLOCK_M rows) of every query head of its group (grouped-query attention: dK
+and dV summed over the group). Each consumer warpgroup owns 64 of the keys, so the keys are the M
+dimension of its GEMMs (FlashAttention-3's backward): S^T = K Q^T and dP^T = V dO^T read both operands
+from shared memory (K-major); P^T and dS^T are computed in the accumulators' registers and are the A
+operand, from registers, of dV += P^T dO and dK += dS^T Q (dO and Q MN-major from shared memory).
+dQ += dS K needs dS, not dS^T, as its A operand: each warpgroup writes its dS^T to shared memory
+(rows: keys) and dQ reads it back through a transposed (MN-major) A descriptor, with K as an
+MN-major B; the fp32 partials go into the mma path's dQ workspace by vector reductions.
+
+Parameters:
+
+- ``BLOCK_N``: keys per CTA, 64 per consumer warpgroup (``CONSUMER_WGS`` 1 or 2),
+- ``BLOCK_M``: query rows per tile (64 or 128; the S^T and dP^T accumulators, BLOCK_M floats a
+  thread, live beside dK's and dV's, head_dim floats: BLOCK_M + head_dim <= 192, <= 128 where one
+  warpgroup prefetches the next tile alone),
+- ``STAGES``: 1 or 2 (the next Q/dO tile loads by cp.async while dV and dK of this one run),
+- ``DQ_MODE``: ``atomic`` only (fp32 reductions into the workspace, then the conversion kernel).
+
+Not yet: TMA loads with an mbarrier ring, a producer warpgroup with register reallocation, a
+deterministic dQ pass.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .base import KernelPath, Scope, head_dims_rule, rule
+
+NAME = "wgmma"
+TEMPLATE = "flash_attention_bwd"
+PARAMS = ("BLOCK_M", "BLOCK_N", "CONSUMER_WGS", "STAGES", "DQ_MODE")
+DEFAULTS: dict[str, Any] = {"CONSUMER_WGS": 1, "STAGES": 2, "DQ_MODE": "atomic"}
+HEAD_DIMS = (64, 128)
+DQ_MODES = ("atomic",)
+ARCH = "sm_90a"
+MAX_ACCUMULATORS = 192
+"""Registers of a consumer thread's budget (``accumulators``) past which the kernel spills (255 a thread)."""
+LONE_PREFETCH = 64
+"""What one warpgroup that prefetches the next Q/dO tile alone (CONSUMER_WGS 1, STAGES 2) adds: twice the
+loads' addresses a thread (ptxas spilled 24 to 136 bytes at D64 BLOCK_M 128 and D128 BLOCK_M 64)."""
+
+
+def threads(c: Scope) -> int:
+    """128 per consumer warpgroup."""
+    return 128 * int(c["CONSUMER_WGS"])
+
+
+def accumulators(c: Scope, head_dim: int) -> int:
+    """A consumer thread's register budget: S^T and dP^T (BLOCK_M / 2 floats each) with dK and dV
+    (head_dim / 2 each), and ``LONE_PREFETCH`` where one warpgroup prefetches alone."""
+    lone = int(c["CONSUMER_WGS"]) == 1 and int(c["STAGES"]) == 2
+    return int(c["BLOCK_M"]) + head_dim + (LONE_PREFETCH if lone else 0)
+
+
+def kernel_smem(c: Scope, head_dim: int) -> dict[str, int]:
+    """Dynamic shared memory of each kernel of the backward (bytes), as the template declares it:
+    1 KB to align the swizzled tiles, K and V, STAGES x (Q, dO, LSE and D rows), and dS^T."""
+    bm, bn, stages, d = int(c["BLOCK_M"]), int(c["BLOCK_N"]), int(c["STAGES"]), head_dim
+    dkdv = 1024 + 4 * bn * d + stages * (4 * bm * d + 8 * bm) + 2 * bm * bn
+    return {"attn_bwd_pre": 0, "attn_bwd_dkdv": dkdv, "attn_bwd_dq_convert": 0}
+
+
+def smem_bytes(c: Scope, head_dim: int) -> int:
+    """The largest of the backward's kernels' shared memory."""
+    return max(kernel_smem(c, head_dim).values())
+
+
+RULES = (
+    head_dims_rule(NAME, HEAD_DIMS),
+    rule(NAME, "arch", "wgmma exists only on sm_90a", "", lambda c: c.get("ARCH_NAME", ARCH) == ARCH),
+    rule(NAME, "keys", "BLOCK_N is 64 keys per consumer warpgroup, CONSUMER_WGS 1 or 2", "BLOCK_N CONSUMER_WGS",
+         lambda c: c["CONSUMER_WGS"] in (1, 2) and c["BLOCK_N"] == 64 * c["CONSUMER_WGS"]),
+    rule(NAME, "rows", "BLOCK_M is 64 or 128", "BLOCK_M", lambda c: c["BLOCK_M"] in (64, 128)),
+    rule(NAME, "stages", "STAGES is 1 or 2", "STAGES", lambda c: c["STAGES"] in (1, 2)),
+    rule(NAME, "dq-mode", f"DQ_MODE is one of {', '.join(DQ_MODES)}", "DQ_MODE", lambda c: c["DQ_MODE"] in DQ_MODES),
+    rule(NAME, "registers", f"S^T, dP^T, dK and dV accumulators (BLOCK_M + head dim floats, {LONE_PREFETCH} more where "
+         f"one warpgroup prefetches the next tile alone) within {MAX_ACCUMULATORS}", "BLOCK_M CONSUMER_WGS STAGES",
+         lambda c: accumulators(c, c["MAX_HEAD_DIM"]) <= MAX_ACCUMULATORS),
+    rule(NAME, "smem", "every kernel's tiles fit the shared memory per block", "BLOCK_M BLOCK_N STAGES",
+         lambda c: smem_bytes(c, c["MAX_HEAD_DIM"]) <= c["SMEM_LIMIT"]),
+)
+
+
+def label(values: dict[str, Any]) -> None:
+    """Fold the parameters into short-label tokens, in place: ``bwg`` (the consumer warpgroups follow
+    from BLOCK_N) and ``dq=atomic``."""
+    values["PATH"] = "bwg"
+    if values.get("CONSUMER_WGS") is not None and values.get("BLOCK_N") == 64 * values["CONSUMER_WGS"]:
+        values.pop("CONSUMER_WGS")
+    values["dq"] = values.pop("DQ_MODE", "atomic")
+
+
+PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=threads, rows_per_cta=lambda c: c["BLOCK_N"],
+                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS)

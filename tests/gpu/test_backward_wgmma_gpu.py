@@ -1,0 +1,87 @@
+"""The backward's wgmma path (Hopper warpgroup MMA, sm_90a) on the GPU.
+
+Gradients dq, dk, dv against autograd of fp32 SDPA under flash-attn's rule, NaN-poisoned outputs and
+workspaces (``test_backward_gpu._check``): every named wgmma configuration on short shapes, the h100-backward
+space's wgmma seeds on S = 1, 5, 77, 257, 1000, seq_q != seq_k both ways and grouped-query heads, fp16 and
+bf16, head dims 64 and 128, full and causal; repeated runs (atomic dQ; dK and dV bit-identical), strided
+inputs, and the search's gate job on a wgmma configuration compiled for sm_90a.
+"""
+from __future__ import annotations
+
+import pytest
+from test_backward_gpu import DTYPES, SHORT_SHAPES, _check
+
+from evoengineer.kernels.backward_rules import WGMMA_CONFIGS
+from evoengineer.space import Case, Config, Variant, load_space
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.sm90,
+    pytest.mark.skipif(torch is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                       reason="needs an sm_90 GPU (H100 or H200)"),
+]
+
+SHAPES = [  # (B, H, H_kv, S_q, S_k)
+    (1, 2, 2, 1, 1),
+    (2, 3, 3, 5, 5),
+    (2, 2, 2, 77, 77),
+    (1, 2, 2, 257, 257),
+    (1, 2, 2, 1000, 1000),
+    (1, 2, 2, 77, 257),
+    (1, 2, 2, 257, 77),
+    (1, 8, 2, 257, 257),
+    (2, 8, 2, 77, 130),
+]
+SEEDS = [c for c in load_space("h100-backward").search.listed_seeds if c["PATH"] == "wgmma"]
+SEED_CASES = [(d, SEEDS[0]) for d in (64, 128)]   # the first seed builds for both head dims
+CONFIG_CASES = [(d, name, c) for d, named in WGMMA_CONFIGS.items() for name, c in named.items()]
+
+
+@pytest.mark.parametrize("head_dim,config", SEED_CASES, ids=[f"D{d}-{c.short_label().replace(' ', '_')}" for d, c in SEED_CASES])
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_wgmma_seed_matches_fp32_autograd(shape, dtype: str, causal: bool, head_dim: int, config: Config) -> None:
+    _check(config, shape, head_dim, causal, dtype)
+
+
+@pytest.mark.parametrize("head_dim,name,config", CONFIG_CASES, ids=[f"D{d}-{n}" for d, n, _ in CONFIG_CASES])
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_named_wgmma_config_matches_fp32_autograd(head_dim: int, name: str, config: Config, causal: bool,
+                                                        dtype: str) -> None:
+    for shape in SHORT_SHAPES:
+        _check(config, shape, head_dim, causal, dtype)
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("causal", (False, True))
+def test_wgmma_atomic_dq_passes_on_repeated_runs(head_dim: int, causal: bool) -> None:
+    config = WGMMA_CONFIGS[head_dim]["w64n128"]
+    results = _check(config, (1, 8, 2, 1024, 1024), head_dim, causal, "bf16", runs=3)
+    for dq, dk, dv in results[1:]:   # dK and dV never race: identical run to run
+        assert torch.equal(dk, results[0][1]) and torch.equal(dv, results[0][2])
+
+
+def test_wgmma_strided_inputs() -> None:
+    """(B, S, H, D) storage: head and sequence strides differ from the dense layout."""
+    _check(WGMMA_CONFIGS[128]["w64n128"], (2, 4, 2, 200, 300), 128, True, "fp16", transposed=True)
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_the_gate_job_runs_a_wgmma_configuration(head_dim: int) -> None:
+    """The search's gradient gate (``gpu.backward_jobs``) on a wgmma kernel built for sm_90a."""
+    from evoengineer.gpu.backward import load_backward
+    from evoengineer.gpu.backward_jobs import gate_backward, gate_case
+
+    config = WGMMA_CONFIGS[head_dim]["w64n128"]
+    case = gate_case(Case(2, 16, 700, head_dim, True, heads_kv=4, dtype="bf16", seq_kv=900))
+    kernel = load_backward(config, Variant(head_dim, True, "bf16"), "cuda")
+    assert kernel.atomic_dq and "sm_90a" in kernel.rendered.source
+    result = gate_backward(kernel, kernel.atomic_dq, case, None, seed=11, trials=2)
+    assert result.status == "ok", result.reason
