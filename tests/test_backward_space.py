@@ -52,6 +52,10 @@ def test_the_backward_space_holds_exactly_the_configurations_the_rules_build() -
     d64 = space.with_shapes([(4, 16, 2048, 64, 2048)])
     wide = Config(PATH="mma", DKDV="tiles", BLOCK_M=128, BLOCK_N=128, STAGES=2, DQ_MODE="atomic", DQ_BLOCK_M=64, DQ_BLOCK_N=64)
     assert d64.contains(wide) and not space.contains(wide) and wide in d64.search.seeds
+    # halves (S and dP by column halves) is searched beside tiles, from seeds of the sizes that spill as tiles
+    halves = wide.replace(DKDV="halves")
+    assert d64.contains(halves) and halves in d64.search.seeds and halves.replace(BLOCK_M=64) in space.search.seeds
+    assert not space.contains(halves.replace(BLOCK_M=64, BLOCK_N=64)) and space.contains(TILES.replace(BLOCK_N=64))
 
 
 def _every_combination(space):
@@ -101,6 +105,7 @@ def test_backward_flops_and_labels() -> None:
     assert TILES.short_label() == "bwdt 64x128 st2 dq=atomic"
     assert SEPARATE.short_label() == "bwdt 64x128 st2 dq=sep64x32"
     assert STRIPS.replace(STAGES=1).short_label() == "bwd 32x64 dq=atomic"
+    assert TILES.replace(DKDV="halves", BLOCK_M=128).short_label() == "bwdh 128x128 st2 dq=atomic"
 
 
 def _backward_run(path: Path) -> Path:
