@@ -173,10 +173,10 @@ def workspaces(rendered: Rendered, config: Config, head_dim: int) -> dict[str, i
 
 def short_backward(config: Config) -> str:
     """``bwd 64x128 st2 atomic``, ``bwd tiles 64x128 st2 sep 64x64``: a backward configuration in
-    tables (``tiles``: the dK/dV kernel with 2-D warp tiles, DKDV=tiles)."""
+    tables (``tiles``: the dK/dV kernel with 2-D warp tiles, DKDV=tiles; ``halves``: DKDV=halves)."""
     v = {**DEFAULTS, **dict(config)}
     dq = "atomic" if v["DQ_MODE"] == "atomic" else f"sep {v['DQ_BLOCK_M']}x{v['DQ_BLOCK_N']}"
-    kind = "tiles " if v.get("DKDV") == "tiles" else ""
+    kind = f"{v['DKDV']} " if v.get("DKDV") in ("tiles", "halves") else ""
     return f"bwd {kind}{v['BLOCK_M']}x{v['BLOCK_N']} st{v['STAGES']} {dq}"
 
 
