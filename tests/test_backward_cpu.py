@@ -115,6 +115,46 @@ def test_backward_config_compiles_for_sm80_and_sm90_within_its_spill_allowance(h
     print(f"\nD{head_dim} {name}:\n  " + "\n  ".join(report))
 
 
+HALVES_CASES = [(64, backward_config(128, 128, dkdv="halves")), (128, backward_config(64, 128, dkdv="halves")),
+                (64, backward_config(64, 128, dkdv="halves")), (128, backward_config(64, 128, dkdv="halves", dq_mode="separate"))]
+
+
+@pytest.mark.parametrize("head_dim,config", [  # the fast suite compiles the first; the slow run (--slow) every one
+    pytest.param(d, c, id=f"D{d}-{c.short_label()}", marks=[pytest.mark.slow] if i else []) for i, (d, c) in enumerate(HALVES_CASES)])
+def test_halves_compile_without_spills_where_their_tiles_twins_spill(head_dim: int, config: Config) -> None:
+    """DKDV=halves computes a warp's S and dP by column halves: the tiles that spill at 255 registers
+    (128 x 128 at D64, 64 x 128 at D128) fit, on sm_80 and sm_90, fp16 and bf16, full and causal; the
+    launches and shared memory are the tiles kernel's."""
+    twin = config.replace(DKDV="tiles")
+    assert problems(config, head_dim) == [] and smem_bytes(config, head_dim) == smem_bytes(twin, head_dim)
+    variants = [v for v in VARIANTS if v.head_dim == head_dim]
+    jobs = [(arch, v) for arch in ARCHS for v in variants]
+    rendered = [render(BACKWARD_TEMPLATE, config, v) for _, v in jobs]
+    for r, (_, v) in zip(rendered, jobs):
+        assert backward_launches(r) == backward_launches(render(BACKWARD_TEMPLATE, twin, v))
+    report = []
+    for (arch, variant), result in zip(jobs, _compile([r.source for r in rendered], jobs)):
+        assert result.ok, f"{arch} {variant.label()}: {result.error}"
+        dkdv = result.kernels["attn_bwd_dkdv"]
+        report.append(f"{arch} {variant.label()}: {dkdv.registers} regs {dkdv.spills} B spilled")
+        assert result.spill_bytes == 0, report[-1]
+    print(f"\nD{head_dim} {config.short_label()}:\n  " + "\n  ".join(report))
+
+
+def test_halves_change_only_the_dkdv_kernel() -> None:
+    """The preprocess, dQ conversion and separate dQ kernels of halves render as those of tiles."""
+    variant = Variant(128, True, "bf16")
+    for dq_mode in ("atomic", "separate"):
+        tiles = _body(render(BACKWARD_TEMPLATE, backward_config(64, 128, dkdv="tiles", dq_mode=dq_mode), variant).source)
+        halves = _body(render(BACKWARD_TEMPLATE, backward_config(64, 128, dkdv="halves", dq_mode=dq_mode), variant).source)
+        assert tiles != halves
+        for text in (tiles, halves):
+            assert text.count("attn_bwd_dkdv(") == 1
+        before = lambda text: text.split("attn_bwd_dkdv(")[0].rsplit("\n// DKDV=tiles", 1)[0]
+        after = lambda text: text.split("attn_bwd_dkdv(")[1].split("\n}\n", 1)[1]
+        assert before(tiles) == before(halves) and after(tiles) == after(halves)
+
+
 def test_the_dq_mode_picks_the_last_kernel_and_determinism() -> None:
     variant = Variant(64, True)
     atomic = backward_launches(render(BACKWARD_TEMPLATE, backward_config(64, 64), variant))
@@ -143,6 +183,8 @@ def test_grids_run_over_query_rows_or_key_rows() -> None:
     (backward_config(64, 64).replace(PATH="wmma"), 64, "PATH"),
     (backward_config(32, 128, dkdv="tiles"), 128, "BLOCK_M 32"),
     (backward_config(64, 128, dkdv="diagonal"), 128, "DKDV"),
+    (backward_config(64, 64, dkdv="halves"), 64, "mma.halves"),
+    (backward_config(32, 128, dkdv="halves"), 64, "BLOCK_M 32"),
 ])
 def test_invalid_backward_configs_are_named_by_the_rules_and_refused_by_the_template(
         config: Config, head_dim: int, fragment: str) -> None:

@@ -18,7 +18,7 @@ from evoengineer.kernels import RenderError, render
 from evoengineer.kernels.backward_rules import BACKWARD_CONFIGS, BACKWARD_TEMPLATE, default_config, fits, problems
 from evoengineer.resources import builtin_spaces
 from evoengineer.results import export_runs
-from evoengineer.results.export_backward import backward_choice, backward_runs, measured_backward
+from evoengineer.results.export_backward import backward_choice, backward_runs, measured_backward, short_backward
 from evoengineer.space import Case, Config, SpaceError, Variant, load_space, parse_space
 
 D64, D64_C = "B4 H16 S2048 D64", "B4 H16 S2048 D64 causal"
@@ -52,6 +52,10 @@ def test_the_backward_space_holds_exactly_the_configurations_the_rules_build() -
     d64 = space.with_shapes([(4, 16, 2048, 64, 2048)])
     wide = Config(PATH="mma", DKDV="tiles", BLOCK_M=128, BLOCK_N=128, STAGES=2, DQ_MODE="atomic", DQ_BLOCK_M=64, DQ_BLOCK_N=64)
     assert d64.contains(wide) and not space.contains(wide) and wide in d64.search.seeds
+    # halves (S and dP by column halves) is searched beside tiles, from seeds of the sizes that spill as tiles
+    halves = wide.replace(DKDV="halves")
+    assert d64.contains(halves) and halves in d64.search.seeds and halves.replace(BLOCK_M=64) in space.search.seeds
+    assert not space.contains(halves.replace(BLOCK_M=64, BLOCK_N=64)) and space.contains(TILES.replace(BLOCK_N=64))
 
 
 def _every_combination(space):
@@ -103,6 +107,9 @@ def test_backward_flops_and_labels() -> None:
     assert TILES.short_label() == "bwdt 64x128 st2 dq=atomic"
     assert SEPARATE.short_label() == "bwdt 64x128 st2 dq=sep64x32"
     assert STRIPS.replace(STAGES=1).short_label() == "bwd 32x64 dq=atomic"
+    assert TILES.replace(DKDV="halves", BLOCK_M=128).short_label() == "bwdh 128x128 st2 dq=atomic"
+    assert short_backward(TILES) == "bwd tiles 64x128 st2 atomic" and short_backward(STRIPS) == "bwd 32x64 st2 atomic"
+    assert short_backward(SEPARATE.replace(DKDV="halves")) == "bwd halves 64x128 st2 sep 64x32"
 
 
 def _backward_run(path: Path) -> Path:

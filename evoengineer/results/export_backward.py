@@ -177,12 +177,12 @@ def workspaces(rendered: Rendered, config: Config, head_dim: int) -> dict[str, i
 def short_backward(config: Config) -> str:
     """``bwd 64x128 st2 atomic``, ``bwd tiles 64x128 st2 sep 64x64``, ``bwd wgmma 64x128 st2 atomic``: a
     backward configuration in tables (``tiles``: the dK/dV kernel with 2-D warp tiles, DKDV=tiles;
-    ``wgmma``: the wgmma path)."""
+    ``halves``: DKDV=halves; ``wgmma``: the wgmma path)."""
     v = {**path_defaults(config), **dict(config)}
     if v["PATH"] == "wgmma":
         return f"bwd wgmma {v['BLOCK_M']}x{v['BLOCK_N']} st{v['STAGES']} {v['DQ_MODE']}"
     dq = "atomic" if v["DQ_MODE"] == "atomic" else f"sep {v['DQ_BLOCK_M']}x{v['DQ_BLOCK_N']}"
-    kind = "tiles " if v.get("DKDV") == "tiles" else ""
+    kind = f"{v['DKDV']} " if v.get("DKDV") in ("tiles", "halves") else ""
     return f"bwd {kind}{v['BLOCK_M']}x{v['BLOCK_N']} st{v['STAGES']} {dq}"
 
 

@@ -6,6 +6,7 @@ eps = 1e-3 max|g32| + 1e-5), with NaN-poisoned outputs and workspaces; the forwa
 log-sum-exp against torch.logsumexp in fp32. Shapes: S = 1, 5, 77, 257, 1024, seq_q != seq_k
 both ways, grouped-query heads, causal and full, fp16 and bf16, head dims 64 and 128.
 The atomic dQ mode must pass on repeated runs, the separate mode must repeat bit for bit.
+DKDV=halves passes the same checks on every shape and gives DKDV=tiles' dK and dV bit for bit.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import itertools
 
 import pytest
 
-from evoengineer.kernels.backward_rules import BACKWARD_CONFIGS, default_config
+from evoengineer.kernels.backward_rules import BACKWARD_CONFIGS, backward_config, default_config
 from evoengineer.space import Config, Variant
 
 try:
@@ -121,6 +122,36 @@ CONFIG_CASES = [(d, name, c) for d, named in BACKWARD_CONFIGS.items() for name, 
 def test_every_kept_config_matches_fp32_autograd(head_dim: int, name: str, config: Config, causal: bool, dtype: str) -> None:
     for shape in SHORT_SHAPES:
         _check(config, shape, head_dim, causal, dtype)
+
+
+HALVES_CASES = [(64, "h128n128", backward_config(128, 128, dkdv="halves")),
+                (64, "h64n128", backward_config(64, 128, dkdv="halves")),
+                (128, "h64n128", backward_config(64, 128, dkdv="halves")),
+                (128, "h64n128-sep", backward_config(64, 128, dkdv="halves", dq_mode="separate"))]
+
+
+@pytest.mark.parametrize("head_dim,name,config", HALVES_CASES, ids=[f"D{d}-{n}" for d, n, _ in HALVES_CASES])
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_halves_match_fp32_autograd(head_dim: int, name: str, config: Config, causal: bool, dtype: str) -> None:
+    """DKDV=halves (S and dP by column halves) on every shape: odd lengths, seq_q != seq_k, grouped heads."""
+    for shape in SHAPES:
+        _check(config, shape, head_dim, causal, dtype)
+
+
+@pytest.mark.parametrize("head_dim,name,config", HALVES_CASES, ids=[f"D{d}-{n}" for d, n, _ in HALVES_CASES])
+@pytest.mark.parametrize("causal", (False, True))
+def test_halves_give_the_tiles_kernels_dk_and_dv_bit_for_bit(head_dim: int, name: str, config: Config, causal: bool) -> None:
+    """Each S and dP element is the same sum in the same order either way, so P and dS, and with them
+    dK and dV (and a separate kernel's dQ), are those of DKDV=tiles bit for bit."""
+    shape = (2, 8, 2, 333, 333)
+    q, k, v, do = _inputs(shape, head_dim, "bf16", 11)
+    _, (ours,) = _run_backward(config, q, k, v, do, causal)
+    _, (theirs,) = _run_backward(config.replace(DKDV="tiles"), q, k, v, do, causal)
+    exact = ("dq", "dk", "dv") if config["DQ_MODE"] == "separate" else ("dk", "dv")
+    for label, a, b in zip(("dq", "dk", "dv"), ours, theirs):
+        if label in exact:
+            assert torch.equal(a, b), f"{config.label()} causal={causal}: {label} differs from tiles'"
 
 
 @pytest.mark.parametrize("head_dim", (64, 128))
