@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_fixtures import load_module, make_run
+from run_fixtures import load_module, make_run, space_doc
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from evoengineer.kernels.backward_rules import BACKWARD_CONFIGS, default_config, forward_lse_config
@@ -45,7 +45,7 @@ def test_the_export_carries_an_lse_forward_a_backward_and_a_deterministic_backwa
     for entry in info["variants"]:
         d = entry["head_dim"]
         assert entry["forward"] == forward_lse_config(d).key()
-        assert entry["fallback"] == default_config(d).key() and entry["cases"] == []
+        assert entry["fallback"] == default_config(d, hopper=True).key() and entry["cases"] == []
         assert entry["deterministic"] == default_config(d, deterministic_dq=True).key()
     for kernel in info["kernels"]:
         assert (out / kernel["source"]).exists() and kernel["source"].startswith("evo_attention_bwd_")
@@ -58,10 +58,20 @@ def test_the_export_carries_an_lse_forward_a_backward_and_a_deterministic_backwa
     assert data.backward is not None and set(data.backward.variants) == set(VARIANTS)
     assert {spec.deterministic for spec in data.backward.kernels.values()} == {True, False}
     assert set(module.BACKWARD) == set(VARIANTS)
-    assert module.dispatch_backward("fp16", 128, True, 2, 8, 77, 77) == default_config(128).key()
+    assert module.dispatch_backward("fp16", 128, True, 2, 8, 77, 77) == default_config(128, hopper=True).key()
     assert module.dispatch_backward(torch.float16, 64, False, 2, 8, 77, 77, deterministic=True) == \
         default_config(64, deterministic_dq=True).key()
-    assert module.BACKWARD_CONFIGS[default_config(64).key()]["short"] == "bwd tiles 128x128 st2 atomic"
+    assert module.BACKWARD_CONFIGS[default_config(64, hopper=True).key()]["short"] == "bwd wgmma 128x128 st2 atomic"
+
+
+def test_an_export_for_another_arch_than_sm_90a_defaults_to_the_mma_backward(tmp_path: Path) -> None:
+    doc = space_doc()
+    doc["target"]["arch"] = "sm_90"   # no wgmma: the backward that runs on every GPU since sm_80
+    doc["search"]["seeds"] = [s for s in doc["search"]["seeds"] if s["PATH"] != "wgmma"]
+    export_runs([make_run(tmp_path / "run", space=doc)], tmp_path / "out")
+    info = json.loads((tmp_path / "out" / "kernel.json").read_text())["backward"]
+    assert {(v["head_dim"], v["fallback"]) for v in info["variants"]} == {(d, default_config(d).key()) for d in (64, 128)}
+    assert all(info["configs"][v["fallback"]]["config"]["PATH"] == "mma" for v in info["variants"])
 
 
 def test_backward_options_choose_the_configuration_per_head_dim(tmp_path: Path) -> None:

@@ -158,12 +158,16 @@ spills in both dtypes, full and causal (CPU tests). On an H200, bf16 B4 H16 S204
 560 us full, 352 causal (the mma default 745, 446); D128 w64n64-st1 1097 us full, 645 causal (mma 1297, 750)."""
 
 
-def default_config(head_dim: int, *, deterministic_dq: bool = False) -> Config:
-    """The backward configuration used when none is given."""
+def default_config(head_dim: int, *, deterministic_dq: bool = False, hopper: bool = False) -> Config:
+    """The backward configuration used when none is given: with ``hopper`` (an export for sm_90a)
+    the wgmma path's (its dQ by atomics: a deterministic call takes the mma path's), else the
+    mma path's."""
     if head_dim not in BACKWARD_CONFIGS:
         raise ValueError(f"head_dim {head_dim}: the backward supports {', '.join(map(str, HEAD_DIMS))}")
     if deterministic_dq:
         return BACKWARD_CONFIGS[head_dim][{64: "m64n64-sep", 128: "t64n128-sep"}[head_dim]]
+    if hopper:
+        return WGMMA_CONFIGS[head_dim][{64: "w128n128", 128: "w64n64-st1"}[head_dim]]
     return BACKWARD_CONFIGS[head_dim][{64: "t128n128", 128: "t64n128"}[head_dim]]
 
 

@@ -294,7 +294,8 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
         path = out / f"{module_name}_{spec.filename_stem}.cu"
         path.write_text(spec.rendered.source)
         written.append(path)
-    backward_info, backward_files = _backward(out, module_name, specs, backward or BackwardChoice())
+    hopper = bool(per.runs) and all(run.space.target.arch == "sm_90a" for run in per.runs)
+    backward_info, backward_files = _backward(out, module_name, specs, replace(backward or BackwardChoice(), hopper=hopper))
     written += backward_files
     have: dict[tuple[str, int, bool], set[str]] = {(s.dtype, s.variant.head_dim, s.variant.causal): set() for s in specs}
     for s in specs:

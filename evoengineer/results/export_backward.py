@@ -50,6 +50,8 @@ class BackwardChoice:
     enabled: bool = True
     deterministic: dict[tuple[str, int, bool], Config] = field(default_factory=dict)
     """Per (dtype, head dim, causal): the fastest deterministic configuration backward runs measured."""
+    hopper: bool = False
+    """The export is for sm_90a (every forward run's space targets it): the defaults are the wgmma path's."""
 
     def fallback(self, dtype: str, head_dim: int, causal: bool) -> Config:
         """The variant's backward fallback: the explicit one, else the variant's measured winner
@@ -62,7 +64,7 @@ class BackwardChoice:
                    and (m.shape.dtype == dtype) == same_dtype]
             if won:
                 return max(dict.fromkeys(won), key=won.count)
-        return default_config(head_dim)
+        return default_config(head_dim, hopper=self.hopper)
 
     def deterministic_for(self, dtype: str, head_dim: int, causal: bool) -> Config:
         """What a deterministic call of the variant runs: the fallback where it is deterministic,
