@@ -23,10 +23,12 @@ from run_fixtures import (
     WMMA,
     load_module,
     make_run,
+    space_doc,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from evoengineer.results import ExportError, Shape, export_runs, kernel_args, nearest, per_shape_winners
+from evoengineer.space import Config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -344,3 +346,45 @@ def test_register_hf_registers_the_function_and_sdpas_masks(exported) -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     assert ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["evo_test"] is ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+
+
+# -- a fallback that does not hold every head dim of the export ---------------------------------------------
+
+WG128 = Config({"PATH": "wgmma", "CONSUMER_WGS": 2, "BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "PRODUCER": 1,
+                "REG_PRODUCER": 24, "REG_CONSUMER": 240, "INTRA_WG_OVERLAP": 1, "PINGPONG": 1, "LOAD": "tma"})
+MMA_PAD = Config({"PATH": "mma", "BLOCK_M": 64, "BLOCK_N": 64, "WARPS": 4, "VEC": 8, "STAGES": 2, "SMEM_LAYOUT": "pad",
+                  "Q_IN_REGS": 0, "P_IN_REGS": 1, "SPLITS": 1})
+
+
+SWITCHED = {"seqlens", "softcap", "varlen", "window"}
+
+
+def _two_dims_run(path: Path, other: int, other_causal: list[bool]) -> Path:
+    doc = space_doc("dims")
+    doc["problem"]["shapes"] = [{"B": 4, "H": 16, "S": 2048, "D": 64, "causal": [False, True]},
+                                {"B": 1, "H": 8, "S": 512, "D": other, "causal": other_causal}]
+    doc["search"]["seeds"] = []
+    times = {"B4 H16 S2048 D64": {WG128: 100.0}, "B4 H16 S2048 D64 causal": {WG128: 60.0}}
+    for causal in other_causal:
+        times[f"B1 H8 S512 D{other}{' causal' if causal else ''}"] = {MMA_PAD: 400.0}
+    return make_run(path, times, space=doc, sdpa={label: 100.0 for label in times})
+
+
+def test_a_fallback_invalid_at_a_head_dim_is_left_out_there_with_a_note(tmp_path: Path) -> None:
+    export_runs([_two_dims_run(tmp_path / "run", 256, [False, True])], tmp_path / "out")
+    info = json.loads((tmp_path / "out" / "kernel.json").read_text())
+    assert info["key"] == WG128.key()   # the fallback: the geometric-mean winner
+    assert any("not valid at fp16 D256" in note and "wgmma." in note for note in info["notes"])
+    plain = {(k["head_dim"], k["config"]) for k in info["kernels"] if not SWITCHED & set(k["features"])}
+    assert (256, WG128.key()) not in plain and (256, MMA_PAD.key()) in plain and (64, WG128.key()) in plain
+    assert {k["config"] for k in info["kernels"] if k["head_dim"] == 256} == {MMA_PAD.key()}   # with features too
+
+
+def test_a_head_dim_measured_causal_only_gets_a_plain_kernel_for_full_calls(tmp_path: Path) -> None:
+    export_runs([_two_dims_run(tmp_path / "run", 96, [True])], tmp_path / "out")
+    info = json.loads((tmp_path / "out" / "kernel.json").read_text())
+    full96 = [k for k in info["kernels"] if (k["head_dim"], k["causal"]) == (96, False)]
+    assert {k["config"] for k in full96} == {MMA_PAD.key()}
+    assert any(not SWITCHED & set(k["features"]) for k in full96) and any(SWITCHED & set(k["features"]) for k in full96)
+    module = load_module(tmp_path / "out")
+    assert module.dispatch("fp16", 96, False, 1, 8, 512, 512) == MMA_PAD.key()

@@ -178,11 +178,15 @@ def export_runs(runs: Sequence[Path], out: Path, module_name: str = MODULE_NAME,
             variant = _variant_like(base, dtype, head_dim, causal)
             if features:
                 variant = replace(variant, features=features)
+            won_here = any(w.config == cid and w.shape.variant_key == (dtype, head_dim, causal) for w in per.winners)
+            broken = [] if won_here else run.space.violations(config.config, head_dim=head_dim)
+            if broken:   # the fallback where its path's rules refuse it (e.g. its tiles overflow shared memory)
+                notes.append(f"fallback {cid} is not valid at {dtype} D{head_dim}{' causal' if causal else ''}: {broken[0]}")
+                continue
             try:
                 specs.append(_spec(run, config, variant))
             except RenderError as exc:
-                if cid != per.fallback or any(w.config == cid and w.shape.variant_key == (dtype, head_dim, causal)
-                                              for w in per.winners):
+                if cid != per.fallback or won_here:
                     raise ExportError(f"{cid}: {exc}") from None
                 notes.append(f"fallback {cid} does not render for {dtype} D{head_dim}{' causal' if causal else ''}: {exc}")
     order = [per.fallback, *sorted(c for c in per.configs if c != per.fallback)]
@@ -205,23 +209,30 @@ def _every_feature_specs(candidates: list[tuple[MeasuredConfig, RunInfo]], varia
 
     have = {(s.dtype, s.variant.head_dim, s.variant.causal) for s in specs
             if set(getattr(s.variant, "features", ())) >= set(SWITCHES)}
+    plain = {(s.dtype, s.variant.head_dim, s.variant.causal) for s in specs if not getattr(s.variant, "features", ())}
     out: list[KernelSpec] = []
     for base in variants:
         if not hasattr(base, "features"):
             continue
         covered: set[str] = set()
+        first: KernelSpec | None = None
         for config, run in candidates:
             if (variant_dtype(base, run.space), base.head_dim, base.causal) in have:
                 covered = set(SWITCHES)
                 break
             path = of_template(config.template).get(str(config.config.get("PATH")))
             held = tuple(f for f in SWITCHES if path is not None and f in path.features)
-            if set(held) <= covered:
+            if set(held) <= covered or run.space.violations(config.config, head_dim=base.head_dim):
                 continue
             try:
                 out.append(_spec(run, config, replace(base, features=held)))
             except (RenderError, ExportError):
                 continue
+            if first is None:   # where no configuration has a plain kernel of the variant, this one's serves it
+                first = out[-1]
+                if (first.dtype, base.head_dim, base.causal) not in plain:
+                    out.append(_spec(run, config, base))
+                    plain.add((first.dtype, base.head_dim, base.causal))
             covered |= set(held)
             if covered == set(SWITCHES):
                 break
