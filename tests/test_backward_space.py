@@ -165,24 +165,25 @@ def test_a_backward_search_replays_on_two_devices_and_resumes_as_a_forward_one(t
     H200 recorded (``tests/data/h200_backward_d64.jsonl``), replayed on two simulated devices."""
     recording = Path(__file__).parent / "data" / "h200_backward_d64.jsonl"
     run = tmp_path / "run"
-    # the space as recorded: its mma path (the wgmma path came later)
+    # the space as recorded: its mma path without DKDV halves (the wgmma path and halves came later)
     doc = _doc()
     doc["paths"].pop("wgmma")
-    doc["search"]["seeds"] = [s for s in doc["search"]["seeds"] if s.get("PATH", "mma") == "mma"]
+    doc["paths"]["mma"]["params"]["DKDV"] = ["strips", "tiles"]
+    doc["search"]["seeds"] = [s for s in doc["search"]["seeds"] if s.get("PATH", "mma") == "mma" and s["DKDV"] != "halves"]
     space = tmp_path / "h100-backward.yaml"
     space.write_text(yaml.safe_dump(doc))
     args = ["search", "--space", str(space), "--shape", "4,16,2048,64", "--replay", str(recording), "--strategy",
-            strategy, "--trials", "8", "--devices", "0,1", "--run-dir", str(run), "--quiet"]
+            strategy, "--trials", "40", "--devices", "0,1", "--run-dir", str(run), "--quiet"]   # 24 recorded of 140
     done = subprocess.run([sys.executable, "-m", "evoengineer", *args], capture_output=True, text=True, timeout=600,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr + done.stdout
     resumed = subprocess.run([sys.executable, "-m", "evoengineer", "search", "--space", str(space), "--replay",
-                              str(recording), "--run-dir", str(run), "--resume", "--trials", "12", "--quiet"],
+                              str(recording), "--run-dir", str(run), "--resume", "--trials", "48", "--quiet"],
                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr + resumed.stdout
     results = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
     # fp16 and bf16 each a partition of the search: a configuration is evaluated once per partition
-    assert len(results) == 12 and len({(r["partition"], r["key"]) for r in results}) == 12
+    assert len(results) == 48 and len({(r["partition"], r["key"]) for r in results}) == 48
     assert {r["partition"] for r in results} == {"D64", "D64 bf16"}
     recorded = {json.loads(line).get("key") for line in recording.read_text().splitlines()}
     ok = [r for r in results if r["status"] == "ok"]

@@ -183,3 +183,19 @@ def test_every_table_command_takes_wide(command: str) -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]
     assert any("--wide" in a.option_strings for a in sub._actions)
+
+
+def test_sdpa_rows_skip_cases_without_flops_rather_than_fail() -> None:
+    """A finalist timed on a case the partition's FLOP table lacks (a record from before a resume
+    narrowed the search) leaves that case out of the SDPA rows' TF/s instead of taking log(0)."""
+    from evoengineer.results import build_leaderboard
+
+    config, times, err, regs, smem = FINALISTS[0]
+    record = {"config": config, "key": Config(config).key(), "status": "ok", "objective_us": 1.0,
+              "resources": {"registers": regs}, "cases": h100_cases(times, err)}
+    partial = {label: FLOPS[label] for label in LABELS[:2]}
+    board = build_leaderboard([record], None, h100_baseline(), partial, "NVIDIA H100 80GB HBM3")
+    cudnn = next(row for row in board["sdpa"] if row["backend"] == "cudnn")
+    assert cudnn["tflops"] > 0 and len(cudnn["cases"]) == len(LABELS)
+    empty = build_leaderboard([record], None, h100_baseline(), {}, "NVIDIA H100 80GB HBM3")
+    assert all(row["tflops"] == 0.0 for row in empty["sdpa"])

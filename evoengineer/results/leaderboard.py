@@ -65,8 +65,8 @@ def build_leaderboard(records: list[dict], retimed: dict | None, baseline: dict,
     for backend in SDPA_BACKENDS:
         times = [sdpa.get(label, {}).get(backend) for label in labels]
         if times and all(t is not None for t in times):
-            sdpa_rows.append({"backend": backend, "geomean_us": geomean(times),
-                              "tflops": geomean([case_flops.get(l, 0) / (t * 1e-6) / 1e12 for l, t in zip(labels, times)]),
+            rates = [case_flops[l] / (t * 1e-6) / 1e12 for l, t in zip(labels, times) if case_flops.get(l)]
+            sdpa_rows.append({"backend": backend, "geomean_us": geomean(times), "tflops": geomean(rates) if rates else 0.0,
                               "cases": dict(zip(labels, times))})
     return {"gpu": gpu, "retimed": bool(retimed), "entries": entries, "sdpa": sdpa_rows}
 
