@@ -154,8 +154,8 @@ WGMMA_CONFIGS: dict[int, dict[str, Config]] = {
     },
 }
 """Named configurations of the wgmma path per head dim (sm_90a only): each compiles for sm_90a without
-spills in both dtypes, full and causal (CPU tests). On an H200, bf16 B4 H16 S2048, warm L2: D64 w128n128
-560 us full, 352 causal (the mma default 745, 446); D128 w64n64-st1 1097 us full, 645 causal (mma 1297, 750)."""
+spills in both dtypes, full and causal (CPU tests). ``default_config(hopper=True)`` takes D64 w128n128 and
+D128 w64n64-st1, the fastest on an H200 (docs/performance.md, Training)."""
 
 
 def default_config(head_dim: int, *, deterministic_dq: bool = False, hopper: bool = False) -> Config:
