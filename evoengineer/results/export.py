@@ -215,7 +215,6 @@ def _every_feature_specs(candidates: list[tuple[MeasuredConfig, RunInfo]], varia
         if not hasattr(base, "features"):
             continue
         covered: set[str] = set()
-        first: KernelSpec | None = None
         for config, run in candidates:
             if (variant_dtype(base, run.space), base.head_dim, base.causal) in have:
                 covered = set(SWITCHES)
@@ -228,11 +227,10 @@ def _every_feature_specs(candidates: list[tuple[MeasuredConfig, RunInfo]], varia
                 out.append(_spec(run, config, replace(base, features=held)))
             except (RenderError, ExportError):
                 continue
-            if first is None:   # where no configuration has a plain kernel of the variant, this one's serves it
-                first = out[-1]
-                if (first.dtype, base.head_dim, base.causal) not in plain:
-                    out.append(_spec(run, config, base))
-                    plain.add((first.dtype, base.head_dim, base.causal))
+            key = (out[-1].dtype, base.head_dim, base.causal)
+            if not covered and key not in plain:   # no configuration has a plain kernel of the variant: this one's serves it
+                out.append(_spec(run, config, base))
+                plain.add(key)
             covered |= set(held)
             if covered == set(SWITCHES):
                 break
