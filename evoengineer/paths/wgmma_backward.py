@@ -18,9 +18,7 @@ Parameters:
   thread, live beside dK's and dV's, head_dim floats: BLOCK_M + head_dim <= 192, <= 128 where one
   warpgroup prefetches the next tile alone),
 - ``STAGES``: 1 or 2 (the next Q/dO tile loads by cp.async while dV and dK of this one run),
-- ``DQ_MODE``: how dQ's fp32 partials reach the workspace (the conversion kernel follows either):
-  ``atomic``, vector reductions by every thread, or ``reduce``, staged in shared memory and added by
-  one lane a warp with bulk reductions (``cp.reduce.async.bulk``, the TMA unit's).
+- ``DQ_MODE``: ``atomic`` only (fp32 reductions into the workspace, then the conversion kernel).
 
 Not yet: TMA loads with an mbarrier ring, a producer warpgroup with register reallocation, a
 deterministic dQ pass.
@@ -36,7 +34,7 @@ TEMPLATE = "flash_attention_bwd"
 PARAMS = ("BLOCK_M", "BLOCK_N", "CONSUMER_WGS", "STAGES", "DQ_MODE")
 DEFAULTS: dict[str, Any] = {"CONSUMER_WGS": 1, "STAGES": 2, "DQ_MODE": "atomic"}
 HEAD_DIMS = (64, 128)
-DQ_MODES = ("atomic", "reduce")
+DQ_MODES = ("atomic",)
 ARCH = "sm_90a"
 MAX_ACCUMULATORS = 192
 """Registers of a consumer thread's budget (``accumulators``) past which the kernel spills (255 a thread)."""
@@ -57,20 +55,11 @@ def accumulators(c: Scope, head_dim: int) -> int:
     return int(c["BLOCK_M"]) + head_dim + (LONE_PREFETCH if lone else 0)
 
 
-def dq_blocks(c: Scope, head_dim: int) -> int:
-    """64 x 64 dQ blocks the warpgroups sum a tile: each block once where the warpgroups can split them,
-    else (fewer blocks than warpgroups) each warpgroup every block over its own keys."""
-    blocks, wgs = (int(c["BLOCK_M"]) // 64) * (head_dim // 64), int(c["CONSUMER_WGS"])
-    return blocks if blocks % wgs == 0 else blocks * wgs
-
-
 def kernel_smem(c: Scope, head_dim: int) -> dict[str, int]:
     """Dynamic shared memory of each kernel of the backward (bytes), as the template declares it:
-    1 KB to align the swizzled tiles, K and V, STAGES x (Q, dO, LSE and D rows), dS^T, and with
-    ``DQ_MODE: reduce`` 16 KB of staging a dQ block."""
+    1 KB to align the swizzled tiles, K and V, STAGES x (Q, dO, LSE and D rows), and dS^T."""
     bm, bn, stages, d = int(c["BLOCK_M"]), int(c["BLOCK_N"]), int(c["STAGES"]), head_dim
-    staged = dq_blocks(c, d) if c["DQ_MODE"] == "reduce" else 0
-    dkdv = 1024 + 4 * bn * d + stages * (4 * bm * d + 8 * bm) + 2 * bm * bn + 16384 * staged
+    dkdv = 1024 + 4 * bn * d + stages * (4 * bm * d + 8 * bm) + 2 * bm * bn
     return {"attn_bwd_pre": 0, "attn_bwd_dkdv": dkdv, "attn_bwd_dq_convert": 0}
 
 
@@ -90,17 +79,14 @@ RULES = (
     rule(NAME, "registers", f"S^T, dP^T, dK and dV accumulators (BLOCK_M + head dim floats, {LONE_PREFETCH} more where "
          f"one warpgroup prefetches the next tile alone) within {MAX_ACCUMULATORS}", "BLOCK_M CONSUMER_WGS STAGES",
          lambda c: accumulators(c, c["MAX_HEAD_DIM"]) <= MAX_ACCUMULATORS),
-    rule(NAME, "reduce-registers", f"DQ_MODE reduce with BLOCK_M 128 stays below {MAX_ACCUMULATORS} accumulators (at it, "
-         "ptxas spilled 4 bytes a thread)", "DQ_MODE BLOCK_M",
-         lambda c: c["DQ_MODE"] != "reduce" or c["BLOCK_M"] == 64 or accumulators(c, c["MAX_HEAD_DIM"]) < MAX_ACCUMULATORS),
-    rule(NAME, "smem", "every kernel's tiles fit the shared memory per block", "BLOCK_M BLOCK_N STAGES DQ_MODE",
+    rule(NAME, "smem", "every kernel's tiles fit the shared memory per block", "BLOCK_M BLOCK_N STAGES",
          lambda c: smem_bytes(c, c["MAX_HEAD_DIM"]) <= c["SMEM_LIMIT"]),
 )
 
 
 def label(values: dict[str, Any]) -> None:
     """Fold the parameters into short-label tokens, in place: ``bwg`` (the consumer warpgroups follow
-    from BLOCK_N) and ``dq=atomic`` or ``dq=reduce``."""
+    from BLOCK_N) and ``dq=atomic``."""
     values["PATH"] = "bwg"
     if values.get("CONSUMER_WGS") is not None and values.get("BLOCK_N") == 64 * values["CONSUMER_WGS"]:
         values.pop("CONSUMER_WGS")
