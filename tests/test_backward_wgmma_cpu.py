@@ -28,7 +28,7 @@ RULES = paths.get("wgmma", BACKWARD_TEMPLATE)
 SPACE = load_space("h100-backward")
 MMA = Config(PATH="mma", DKDV="tiles", BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_MODE="atomic", DQ_BLOCK_M=64, DQ_BLOCK_N=64)
 VALUES = {"BLOCK_M": (32, 64, 128), "BLOCK_N": (64, 128, 192), "CONSUMER_WGS": (1, 2, 3), "STAGES": (1, 2, 3),
-          "DQ_MODE": ("atomic", "separate")}
+          "DQ_MODE": ("atomic", "separate"), "PRODUCER": (0, 1, 2)}
 
 
 def _every_combination():
@@ -66,12 +66,12 @@ def test_the_rules_and_the_template_agree_on_every_combination(head_dim: int) ->
             # the mma path's argument list and workspaces: the runtime launches either path alike
             mma = render(BACKWARD_TEMPLATE, MMA, variant)
             assert backward_arguments(rendered) == backward_arguments(mma)
-    assert built == {64: 2 * 7, 128: 2 * 3}[head_dim]
+    assert built == {64: 2 * 15, 128: 2 * 7}[head_dim]
 
 
 def test_the_rules_name_what_they_refuse() -> None:
     assert problems(wgmma_config(128, 128), 128) == [
-        "BLOCK_M 128 CONSUMER_WGS 2 STAGES 2: wgmma.registers: S^T, dP^T, dK and dV accumulators (BLOCK_M + head dim "
+        "BLOCK_M 128 CONSUMER_WGS 2 STAGES 2 PRODUCER 0: wgmma.registers: S^T, dP^T, dK and dV accumulators (BLOCK_M + head dim "
         "floats, 64 more where one warpgroup prefetches the next tile alone) within 192"]
     assert problems(wgmma_config(64, 128).replace(CONSUMER_WGS=1), 64)[0].startswith("BLOCK_N 128 CONSUMER_WGS 1: wgmma.keys:")
     assert problems(wgmma_config(64, 128).replace(DQ_MODE="separate"), 64)[0].startswith("DQ_MODE separate: wgmma.dq-mode:")
@@ -119,7 +119,7 @@ def test_every_valid_wgmma_configuration_compiles_for_sm90a_without_spills() -> 
     spilled = [f"{c.label()} {v.label()}: {r.spill_bytes} bytes" for (c, v), r in zip(builds, results) if r.spill_bytes]
     assert not spilled, spilled
     assert not any(r.wgmma_serialized for r in results)
-    assert len(builds) == 4 * (7 + 3)
+    assert len(builds) == 4 * (15 + 7)
 
 
 def test_an_export_takes_a_wgmma_backward_by_name_or_parameters() -> None:

@@ -40,10 +40,10 @@ def backward_config(block_m: int, block_n: int, *, stages: int = 2, dq_mode: str
                   DQ_BLOCK_M=dq_block_m, DQ_BLOCK_N=dq_block_n)
 
 
-def wgmma_config(block_m: int, block_n: int, *, stages: int = 2) -> Config:
+def wgmma_config(block_m: int, block_n: int, *, stages: int = 2, producer: int = 0) -> Config:
     """A wgmma backward configuration with every parameter spelled out (64 keys per warpgroup)."""
     return Config(PATH="wgmma", BLOCK_M=block_m, BLOCK_N=block_n, CONSUMER_WGS=block_n // 64, STAGES=stages,
-                  DQ_MODE="atomic")
+                  DQ_MODE="atomic", PRODUCER=producer)
 
 
 def path_defaults(config: Config) -> dict[str, int | str]:
@@ -146,11 +146,13 @@ WGMMA_CONFIGS: dict[int, dict[str, Config]] = {
         "w64n128": wgmma_config(64, 128),
         "w128n128": wgmma_config(128, 128),
         "w128n64-st1": wgmma_config(128, 64, stages=1),
+        "w128n128-pr": wgmma_config(128, 128, producer=1),
     },
     128: {
         "w64n128": wgmma_config(64, 128),
         "w64n64-st1": wgmma_config(64, 64, stages=1),
         "w64n128-st1": wgmma_config(64, 128, stages=1),
+        "w64n128-pr": wgmma_config(64, 128, producer=1),
     },
 }
 """Named configurations of the wgmma path per head dim (sm_90a only): each compiles for sm_90a without

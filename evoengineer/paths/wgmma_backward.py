@@ -18,10 +18,12 @@ Parameters:
   thread, live beside dK's and dV's, head_dim floats: BLOCK_M + head_dim <= 192, <= 128 where one
   warpgroup prefetches the next tile alone),
 - ``STAGES``: 1 or 2 (the next Q/dO tile loads by cp.async while dV and dK of this one run),
-- ``DQ_MODE``: ``atomic`` only (fp32 reductions into the workspace, then the conversion kernel).
+- ``DQ_MODE``: ``atomic`` only (fp32 reductions into the workspace, then the conversion kernel),
+- ``PRODUCER``: 0, every consumer thread loads the next tile by cp.async, or 1, a producer
+  warpgroup does, into a ring of STAGES stages with full and empty mbarriers, the consumers only
+  wait (beside two consumer warpgroups, setmaxnreg moves registers to them: ``REGISTERS``).
 
-Not yet: TMA loads with an mbarrier ring, a producer warpgroup with register reallocation, a
-deterministic dQ pass.
+Not yet: TMA loads, a deterministic dQ pass.
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ from .base import KernelPath, Scope, head_dims_rule, rule
 
 NAME = "wgmma"
 TEMPLATE = "flash_attention_bwd"
-PARAMS = ("BLOCK_M", "BLOCK_N", "CONSUMER_WGS", "STAGES", "DQ_MODE")
-DEFAULTS: dict[str, Any] = {"CONSUMER_WGS": 1, "STAGES": 2, "DQ_MODE": "atomic"}
+PARAMS = ("BLOCK_M", "BLOCK_N", "CONSUMER_WGS", "STAGES", "DQ_MODE", "PRODUCER")
+DEFAULTS: dict[str, Any] = {"CONSUMER_WGS": 1, "STAGES": 2, "DQ_MODE": "atomic", "PRODUCER": 0}
 HEAD_DIMS = (64, 128)
 DQ_MODES = ("atomic",)
 ARCH = "sm_90a"
@@ -43,23 +45,29 @@ LONE_PREFETCH = 64
 loads' addresses a thread (ptxas spilled 24 to 136 bytes at D64 BLOCK_M 128 and D128 BLOCK_M 64)."""
 
 
+REGISTERS = {2: (40, 232)}
+"""setmaxnreg of the producer and of each consumer warpgroup, by consumer warpgroups, with a producer
+(384 threads start at 168 registers each; 40 + 2 x 232 fits their 504)."""
+
+
 def threads(c: Scope) -> int:
-    """128 per consumer warpgroup."""
-    return 128 * int(c["CONSUMER_WGS"])
+    """128 per consumer warpgroup, and 128 for the producer."""
+    return 128 * (int(c["CONSUMER_WGS"]) + int(c.get("PRODUCER", 0)))
 
 
 def accumulators(c: Scope, head_dim: int) -> int:
     """A consumer thread's register budget: S^T and dP^T (BLOCK_M / 2 floats each) with dK and dV
     (head_dim / 2 each), and ``LONE_PREFETCH`` where one warpgroup prefetches alone."""
-    lone = int(c["CONSUMER_WGS"]) == 1 and int(c["STAGES"]) == 2
+    lone = int(c["CONSUMER_WGS"]) == 1 and int(c["STAGES"]) == 2 and not int(c.get("PRODUCER", 0))
     return int(c["BLOCK_M"]) + head_dim + (LONE_PREFETCH if lone else 0)
 
 
 def kernel_smem(c: Scope, head_dim: int) -> dict[str, int]:
     """Dynamic shared memory of each kernel of the backward (bytes), as the template declares it:
-    1 KB to align the swizzled tiles, K and V, STAGES x (Q, dO, LSE and D rows), and dS^T."""
+    1 KB to align the swizzled tiles, K and V, STAGES x (Q, dO, LSE and D rows), dS^T, and with a
+    producer two mbarriers a stage."""
     bm, bn, stages, d = int(c["BLOCK_M"]), int(c["BLOCK_N"]), int(c["STAGES"]), head_dim
-    dkdv = 1024 + 4 * bn * d + stages * (4 * bm * d + 8 * bm) + 2 * bm * bn
+    dkdv = 1024 + 4 * bn * d + stages * (4 * bm * d + 8 * bm) + 2 * bm * bn + 16 * stages * int(c.get("PRODUCER", 0))
     return {"attn_bwd_pre": 0, "attn_bwd_dkdv": dkdv, "attn_bwd_dq_convert": 0}
 
 
@@ -75,18 +83,19 @@ RULES = (
          lambda c: c["CONSUMER_WGS"] in (1, 2) and c["BLOCK_N"] == 64 * c["CONSUMER_WGS"]),
     rule(NAME, "rows", "BLOCK_M is 64 or 128", "BLOCK_M", lambda c: c["BLOCK_M"] in (64, 128)),
     rule(NAME, "stages", "STAGES is 1 or 2", "STAGES", lambda c: c["STAGES"] in (1, 2)),
+    rule(NAME, "producer", "PRODUCER is 0 or 1", "PRODUCER", lambda c: c.get("PRODUCER", 0) in (0, 1)),
     rule(NAME, "dq-mode", f"DQ_MODE is one of {', '.join(DQ_MODES)}", "DQ_MODE", lambda c: c["DQ_MODE"] in DQ_MODES),
     rule(NAME, "registers", f"S^T, dP^T, dK and dV accumulators (BLOCK_M + head dim floats, {LONE_PREFETCH} more where "
-         f"one warpgroup prefetches the next tile alone) within {MAX_ACCUMULATORS}", "BLOCK_M CONSUMER_WGS STAGES",
+         f"one warpgroup prefetches the next tile alone) within {MAX_ACCUMULATORS}", "BLOCK_M CONSUMER_WGS STAGES PRODUCER",
          lambda c: accumulators(c, c["MAX_HEAD_DIM"]) <= MAX_ACCUMULATORS),
-    rule(NAME, "smem", "every kernel's tiles fit the shared memory per block", "BLOCK_M BLOCK_N STAGES",
+    rule(NAME, "smem", "every kernel's tiles fit the shared memory per block", "BLOCK_M BLOCK_N STAGES PRODUCER",
          lambda c: smem_bytes(c, c["MAX_HEAD_DIM"]) <= c["SMEM_LIMIT"]),
 )
 
 
 def label(values: dict[str, Any]) -> None:
     """Fold the parameters into short-label tokens, in place: ``bwg`` (the consumer warpgroups follow
-    from BLOCK_N) and ``dq=atomic``."""
+    from BLOCK_N) and ``dq=atomic``; a producer warpgroup reads ``pr``."""
     values["PATH"] = "bwg"
     if values.get("CONSUMER_WGS") is not None and values.get("BLOCK_N") == 64 * values["CONSUMER_WGS"]:
         values.pop("CONSUMER_WGS")
