@@ -156,8 +156,8 @@ WGMMA_CONFIGS: dict[int, dict[str, Config]] = {
     },
 }
 """Named configurations of the wgmma path per head dim (sm_90a only): each compiles for sm_90a without
-spills in both dtypes, full and causal (CPU tests). ``default_config(hopper=True)`` takes D64 w128n128 and
-D128 w64n128, the fastest on an H200 (docs/performance.md, Training)."""
+spills in both dtypes, full and causal (CPU tests). ``default_config(hopper=True)`` takes D64 w128n128-pr and
+D128 w64n128-pr, the fastest on an H200 (docs/performance.md, Training)."""
 
 
 def default_config(head_dim: int, *, deterministic_dq: bool = False, hopper: bool = False) -> Config:
@@ -169,7 +169,7 @@ def default_config(head_dim: int, *, deterministic_dq: bool = False, hopper: boo
     if deterministic_dq:
         return BACKWARD_CONFIGS[head_dim][{64: "m64n64-sep", 128: "t64n128-sep"}[head_dim]]
     if hopper:
-        return WGMMA_CONFIGS[head_dim][{64: "w128n128", 128: "w64n128"}[head_dim]]
+        return WGMMA_CONFIGS[head_dim][{64: "w128n128-pr", 128: "w64n128-pr"}[head_dim]]
     return BACKWARD_CONFIGS[head_dim][{64: "t128n128", 128: "t64n128"}[head_dim]]
 
 
