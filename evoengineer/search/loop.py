@@ -43,6 +43,7 @@ from .study import (
     requeue,
     requeue_stale,
     store_params,
+    trial_ids,
     waiting,
 )
 
@@ -531,19 +532,19 @@ class _Search:
         """A queued trial (a retry, an enqueued configuration) if one is waiting, else a new
         one (created with this search's name in one transaction) unless the budget is full."""
         storage = internals.storage(self.study)
-        if self._maybe_queued or self.full:
-            for waiting in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
-                waiting_id = internals.trial_id(waiting)
+        if (self._maybe_queued or self.full) and self.queued():  # a small query before Optuna's read
+            for queued in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
+                waiting_id = internals.trial_id(queued)
                 try:
                     if not storage.set_trial_state_values(waiting_id, state=optuna.trial.TrialState.RUNNING):
                         continue
                 except optuna.exceptions.UpdateFinishedTrialError:
                     continue
-                if not self.ledger.own_trial(waiting.number, self.name):
+                if not self.ledger.own_trial(queued.number, self.name):
                     continue  # another search popped it at the same time (SQLite has no row locks)
                 storage.set_trial_user_attr(waiting_id, "run", self.name)
                 return waiting_id
-            self._maybe_queued = False
+        self._maybe_queued = False
         if self.full:
             return None
         template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, user_attrs={"run": self.name})
@@ -685,8 +686,7 @@ class _Search:
             return False
         if self.queued():
             return True
-        running_trials = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-        running = [i for i in map(internals.trial_id, running_trials) if i not in self.in_flight]
+        running = [i for i in trial_ids(self.study, optuna.trial.TrialState.RUNNING) if i not in self.in_flight]
         if not running:
             return False
         beating = self.ledger.heartbeats(running)

@@ -156,16 +156,22 @@ class Heartbeat:
 
 
 def waiting(study: optuna.Study) -> bool:
-    """Whether the study holds a waiting trial (a retry, an enqueued configuration): one small
-    query on an RDB storage (Optuna's read of the study's trials reads every running one whole)."""
+    """Whether the study holds a waiting trial (a retry, an enqueued configuration)."""
+    return bool(trial_ids(study, optuna.trial.TrialState.WAITING, limit=1))
+
+
+def trial_ids(study: optuna.Study, state: optuna.trial.TrialState, limit: int | None = None) -> list[int]:
+    """Ids of the study's trials in ``state`` (at most ``limit``): one small query on an RDB
+    storage, where Optuna's read of a study's trials reads every one it does not hold finished
+    whole (all of them, for a search whose trials it never saw finish)."""
     rdb = internals.rdb_backend(study)
     if rdb is None:
-        return bool(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
+        return [internals.trial_id(t) for t in study.get_trials(deepcopy=False, states=(state,))][:limit]
     model = internals.trial_models().TrialModel
     session = internals.session(rdb)
     try:
-        return session.query(model.trial_id).filter(model.study_id == internals.study_id(study),
-                                                    model.state == optuna.trial.TrialState.WAITING).first() is not None
+        query = session.query(model.trial_id).filter(model.study_id == internals.study_id(study), model.state == state)
+        return [row.trial_id for row in (query.limit(limit) if limit is not None else query)]
     finally:
         session.close()
 
