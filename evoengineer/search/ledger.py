@@ -25,6 +25,7 @@ import time
 from typing import Any, Sequence
 
 import optuna
+import sqlalchemy
 import sqlalchemy.exc
 
 from . import optuna_internals as internals
@@ -72,7 +73,8 @@ class Ledger:
         model = internals.study_attribute_model()
 
         def add(session: Any) -> None:
-            session.add(model(study_id=self._study_id, key=key, value_json=json.dumps(value)))
+            session.execute(sqlalchemy.insert(model.__table__).values(study_id=self._study_id, key=key,
+                                                                      value_json=json.dumps(value)))
 
         try:
             self._session(add)
@@ -200,15 +202,17 @@ class Ledger:
         entry_model, attribute_model = internals.study_attribute_model(), models.TrialSystemAttributeModel
         entry, attribute = json.dumps({"trial": trial_number}), json.dumps(value)
 
-        def add(session: Any) -> None:
-            session.add(entry_model(study_id=self._study_id, key=f"{PREFIX}config:{key}", value_json=entry))
+        def add(session: Any) -> None:  # table inserts, not the ORM's unit of work: a proposal's critical path
             try:
-                session.flush()
+                session.execute(sqlalchemy.insert(entry_model.__table__).values(
+                    study_id=self._study_id, key=f"{PREFIX}config:{key}", value_json=entry))
             except sqlalchemy.exc.IntegrityError:
                 raise _Taken from None
-            session.add(attribute_model(trial_id=trial_id, key=attr, value_json=attribute))
-            session.add_all([models.TrialParamModel(trial_id=trial_id, param_name=name, param_value=internal,
-                                                    distribution_json=distribution) for name, internal, distribution in params])
+            session.execute(sqlalchemy.insert(attribute_model.__table__).values(trial_id=trial_id, key=attr, value_json=attribute))
+            if params:
+                session.execute(sqlalchemy.insert(models.TrialParamModel.__table__), [
+                    {"trial_id": trial_id, "param_name": name, "param_value": internal, "distribution_json": distribution}
+                    for name, internal, distribution in params])
 
         try:
             self._session(add)
