@@ -342,3 +342,18 @@ def _has_heartbeat(study: optuna.Study, trial_id: int) -> bool:
     from evoengineer.search.ledger import Ledger
 
     return trial_id in Ledger(study).heartbeats([trial_id])
+
+
+def test_a_trial_created_by_table_inserts_is_numbered_and_read_as_optunas_own(tmp_path: Path) -> None:
+    from evoengineer.search.study import create_running_trial
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}")
+    first = study.ask()
+    made = [create_running_trial(study, {"run": "r"}) for _ in range(2)]
+    last = study.ask()
+    trials = {internals.trial_id(t): t for t in study.get_trials(deepcopy=False)}
+    assert [trials[i].number for i in made] == [first.number + 1, first.number + 2] and last.number == first.number + 3
+    assert all(trials[i].state == TrialState.RUNNING and trials[i].user_attrs == {"run": "r"} for i in made)
+    trial = optuna.Trial(study, made[0])
+    study.tell(trial, 2.0)
+    assert internals.storage(study).get_trial(made[0]).value == 2.0

@@ -37,6 +37,7 @@ from .study import (
     GRACE_BEATS,
     Heartbeat,
     crash_point,
+    create_running_trial,
     finish_requeues,
     finish_trial,
     make_storage,
@@ -547,6 +548,8 @@ class _Search:
         self._maybe_queued = False
         if self.full:
             return None
+        if hasattr(self.study.sampler, "claim_params"):  # a strategy that proposes whole configurations
+            return create_running_trial(self.study, {"run": self.name})
         template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, user_attrs={"run": self.name})
         return storage.create_new_trial(internals.study_id(self.study), template_trial=template)
 

@@ -352,6 +352,37 @@ def store_params(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any
         ])
 
 
+def create_running_trial(study: optuna.Study, user_attrs: dict[str, Any]) -> int:
+    """A new running trial holding ``user_attrs``, numbered as Optuna numbers them; its id. On an
+    RDB storage one transaction of table inserts (Optuna's ``create_new_trial`` does the same
+    through its ORM: ~5 ms of CPU a trial). Optuna's cache of the study learns of the trial as
+    of one another process created, so that a sampler suggesting parameter by parameter (which
+    writes through that cache) gets its trials from ``create_new_trial``."""
+    storage, study_id = internals.storage(study), internals.study_id(study)
+    rdb = _batching(study)
+    if rdb is None:
+        template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, user_attrs=user_attrs)
+        return storage.create_new_trial(study_id, template_trial=template)
+    import json
+    from datetime import datetime
+
+    models = internals.trial_models()
+    trials, studies = models.TrialModel.__table__, models.StudyModel.__table__
+    with internals.transaction(rdb) as session:
+        # the study's row locked first, as Optuna does: trial numbers are counts of the trials before
+        session.execute(sqlalchemy.select(studies.c.study_id).where(studies.c.study_id == study_id).with_for_update())
+        trial_id = session.execute(sqlalchemy.insert(trials).values(
+            study_id=study_id, number=None, state=optuna.trial.TrialState.RUNNING,
+            datetime_start=datetime.now())).inserted_primary_key[0]
+        number = session.execute(sqlalchemy.select(sqlalchemy.func.count(trials.c.trial_id)).where(
+            trials.c.study_id == study_id, trials.c.trial_id < trial_id)).scalar_one()
+        session.execute(sqlalchemy.update(trials).where(trials.c.trial_id == trial_id).values(number=number))
+        if user_attrs:
+            session.execute(sqlalchemy.insert(models.TrialUserAttributeModel.__table__), [
+                {"trial_id": trial_id, "key": key, "value_json": json.dumps(value)} for key, value in user_attrs.items()])
+    return int(trial_id)
+
+
 def finish_trial(study: optuna.Study, trial: optuna.Trial, state: optuna.trial.TrialState, value: float | None,
                  user_attrs: dict[str, Any], unless: str | None = None) -> bool:
     """Write a trial's user attributes, value and final state in one transaction; raises
