@@ -271,3 +271,89 @@ def test_the_scan_of_a_large_space_scores_a_bounded_sample(monkeypatch: pytest.M
     proposal = sampler.best_unseen(history)
     assert scored == [16]
     assert sampler.is_new(proposal.config, history) and proposal.origin == "model"
+
+
+def test_a_won_claim_writes_the_parameters_it_is_given_and_a_lost_one_none(tmp_path: Path) -> None:
+    from evoengineer.search.ledger import Ledger
+    from evoengineer.search.strategies import CLAIM_KEY
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}")
+    first, second = study.ask(), study.ask()
+    ledger = Ledger(study)
+    choices = optuna.distributions.CategoricalDistribution([16, 32])
+    params = [("A", 1.0, optuna.distributions.distribution_to_json(choices))]
+    attr = {"config": {"A": 32}, "origin": "child", "parents": []}
+    assert ledger.claim_config_for("abc", first.number, internals.trial_id(first), CLAIM_KEY, attr, params) == (True, True)
+    assert ledger.claim_config_for("abc", second.number, internals.trial_id(second), CLAIM_KEY, attr, params) == (False, False)
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    assert trials[first.number].params == {"A": 32}
+    assert trials[second.number].params == {}
+
+
+def test_slots_are_taken_from_memory_and_read_again_when_all_look_taken(tmp_path: Path) -> None:
+    from evoengineer.search.ledger import Ledger
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}")
+    mine, other = Ledger(study), Ledger(study)
+    assert mine.take_slot(3, 0) == 0
+    assert other.take_slot(3, 1) == 1  # behind the first ledger's back: its insert of slot 1 loses, slot 2 is next
+    assert mine.take_slot(3, 2) == 2 and mine.free_after == 0
+    assert mine.take_slot(3, 3) is None
+    other.release_slot(1)  # another search gives a slot back: found when every slot looks taken
+    assert mine.take_slot(3, 4) == 1
+    assert sorted(mine.slots().items()) == [(0, 0), (1, 4), (2, 2)]
+
+
+def test_a_tell_unless_the_trial_was_requeued_writes_nothing(tmp_path: Path) -> None:
+    from evoengineer.search.ledger import Ledger
+    from evoengineer.search.study import finish_trial
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}")
+    kept, requeued = study.ask(), study.ask()
+    ledger = Ledger(study)
+    assert ledger.mark_requeued(requeued.number, "another search")
+    for trial in (kept, requeued):
+        done = finish_trial(study, trial, TrialState.COMPLETE, 1.5, {"status": "ok"}, Ledger.requeued_key(trial.number))
+        assert done == (trial is kept)
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    assert trials[kept.number].state == TrialState.COMPLETE and trials[kept.number].value == 1.5
+    assert trials[requeued.number].state == TrialState.RUNNING and trials[requeued.number].user_attrs == {}
+
+
+def test_a_new_trials_first_heartbeat_is_written_off_the_callers_thread(tmp_path: Path) -> None:
+    import time
+
+    from evoengineer.search.study import Heartbeat, make_storage
+
+    study = optuna.create_study(storage=make_storage(f"sqlite:///{tmp_path / 's.db'}", heartbeat_s=30))
+    trial = study.ask()
+    heartbeat = Heartbeat(study)
+    try:
+        heartbeat.add(internals.trial_id(trial))
+        deadline = time.monotonic() + 10
+        while not _has_heartbeat(study, internals.trial_id(trial)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _has_heartbeat(study, internals.trial_id(trial))  # long before the 30 s interval
+    finally:
+        heartbeat.close()
+
+
+def _has_heartbeat(study: optuna.Study, trial_id: int) -> bool:
+    from evoengineer.search.ledger import Ledger
+
+    return trial_id in Ledger(study).heartbeats([trial_id])
+
+
+def test_a_trial_created_by_table_inserts_is_numbered_and_read_as_optunas_own(tmp_path: Path) -> None:
+    from evoengineer.search.study import create_running_trial
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}")
+    first = study.ask()
+    made = [create_running_trial(study, {"run": "r"}) for _ in range(2)]
+    last = study.ask()
+    trials = {internals.trial_id(t): t for t in study.get_trials(deepcopy=False)}
+    assert [trials[i].number for i in made] == [first.number + 1, first.number + 2] and last.number == first.number + 3
+    assert all(trials[i].state == TrialState.RUNNING and trials[i].user_attrs == {"run": "r"} for i in made)
+    trial = optuna.Trial(study, made[0])
+    study.tell(trial, 2.0)
+    assert internals.storage(study).get_trial(made[0]).value == 2.0

@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import optuna
+import sqlalchemy
 import sqlalchemy.exc
 
 from . import optuna_internals as internals
@@ -49,6 +50,7 @@ class Ledger:
         self._study_id = internals.study_id(study)
         self._rdb = internals.rdb_backend(study)
         self.free_after = 0
+        self._taken: set[int] | None = None  # slots seen taken (``take_slot``)
         key = id(self._storage)
         self._lock = Ledger._local_locks.setdefault(key, threading.Lock())
 
@@ -71,7 +73,8 @@ class Ledger:
         model = internals.study_attribute_model()
 
         def add(session: Any) -> None:
-            session.add(model(study_id=self._study_id, key=key, value_json=json.dumps(value)))
+            session.execute(sqlalchemy.insert(model.__table__).values(study_id=self._study_id, key=key,
+                                                                      value_json=json.dumps(value)))
 
         try:
             self._session(add)
@@ -147,13 +150,25 @@ class Ledger:
 
     def take_slot(self, budget: int, trial_number: int) -> int | None:
         """The lowest free slot below ``budget`` for ``trial_number``; None when all are taken.
-        ``free_after`` then holds how many were still free at most."""
-        taken = set(self.slots())
-        for index in range(budget):
-            if index not in taken and self.insert(f"slot:{index}", {"trial": trial_number}):
-                self.free_after = sum(1 for i in range(index + 1, budget) if i not in taken)
-                return index
-            taken.add(index)
+        ``free_after`` then holds how many were still free at most.
+
+        The slots this ledger saw taken are remembered, so that a take is one insert, not a
+        read of every slot: an insert another search beat is the next slot's turn, and only
+        when every slot looks taken are they read again (another search may have given one back)."""
+        for fresh in (self._taken is None, True):
+            if fresh:
+                self._taken = set(self.slots())
+            taken = self._taken
+            assert taken is not None
+            for index in range(budget):
+                if index in taken:
+                    continue
+                taken.add(index)
+                if self.insert(f"slot:{index}", {"trial": trial_number}):
+                    self.free_after = sum(1 for i in range(index + 1, budget) if i not in taken)
+                    return index
+            if fresh:
+                break
         self.free_after = 0
         return None
 
@@ -167,27 +182,37 @@ class Ledger:
 
     def release_slot(self, index: int) -> None:
         self.delete(f"slot:{index}")
+        if self._taken is not None:
+            self._taken.discard(index)
 
     # -- configurations and trials ----------------------------------------------------
     def claim_config(self, key: str, trial_number: int) -> bool:
         return self.insert(f"config:{key}", {"trial": trial_number})
 
-    def claim_config_for(self, key: str, trial_number: int, trial_id: int, attr: str, value: Any) -> tuple[bool, bool]:
+    def claim_config_for(self, key: str, trial_number: int, trial_id: int, attr: str, value: Any,
+                         params: Sequence[tuple[str, float, str]] = ()) -> tuple[bool, bool]:
         """``claim_config``, and on an RDB storage the trial's system attribute ``attr`` (which it
         must not hold yet) written in the same transaction: one commit for both. Returns whether
-        the claim was won and whether the attribute was written with it."""
+        the claim was won and whether the attribute was written with it. ``params`` (name,
+        internal value, distribution JSON), parameters the trial does not hold yet, are written
+        with the attribute."""
         if self._rdb is None:
             return self.claim_config(key, trial_number), False
-        entry_model, attribute_model = internals.study_attribute_model(), internals.trial_models().TrialSystemAttributeModel
+        models = internals.trial_models()
+        entry_model, attribute_model = internals.study_attribute_model(), models.TrialSystemAttributeModel
         entry, attribute = json.dumps({"trial": trial_number}), json.dumps(value)
 
-        def add(session: Any) -> None:
-            session.add(entry_model(study_id=self._study_id, key=f"{PREFIX}config:{key}", value_json=entry))
+        def add(session: Any) -> None:  # table inserts, not the ORM's unit of work: a proposal's critical path
             try:
-                session.flush()
+                session.execute(sqlalchemy.insert(entry_model.__table__).values(
+                    study_id=self._study_id, key=f"{PREFIX}config:{key}", value_json=entry))
             except sqlalchemy.exc.IntegrityError:
                 raise _Taken from None
-            session.add(attribute_model(trial_id=trial_id, key=attr, value_json=attribute))
+            session.execute(sqlalchemy.insert(attribute_model.__table__).values(trial_id=trial_id, key=attr, value_json=attribute))
+            if params:
+                session.execute(sqlalchemy.insert(models.TrialParamModel.__table__), [
+                    {"trial_id": trial_id, "param_name": name, "param_value": internal, "distribution_json": distribution}
+                    for name, internal, distribution in params])
 
         try:
             self._session(add)
@@ -210,6 +235,11 @@ class Ledger:
 
     def requeued(self, trial_number: int) -> bool:
         return self.get(f"requeued:{trial_number}") is not None
+
+    @staticmethod
+    def requeued_key(trial_number: int) -> str:
+        """The study system attribute ``mark_requeued`` creates for ``trial_number``."""
+        return f"{PREFIX}requeued:{trial_number}"
 
     def heartbeats(self, trial_ids: list[int]) -> set[int]:
         """Which of ``trial_ids`` ever recorded a heartbeat (RDB storages only)."""

@@ -37,12 +37,15 @@ from .study import (
     GRACE_BEATS,
     Heartbeat,
     crash_point,
+    create_running_trial,
     finish_requeues,
     finish_trial,
     make_storage,
     requeue,
     requeue_stale,
     store_params,
+    trial_ids,
+    waiting,
 )
 
 RESULTS = "results.jsonl"
@@ -318,13 +321,13 @@ class SearchStats:
         }
 
 
-def tell(study: optuna.Study, trial: optuna.Trial, result: EvalResult) -> None:
-    """Finish ``trial`` with ``result`` (one transaction on an RDB storage)."""
+def tell(study: optuna.Study, trial: optuna.Trial, result: EvalResult, unless: str | None = None) -> bool:
+    """Finish ``trial`` with ``result`` (one transaction on an RDB storage); with ``unless`` (a
+    study system attribute's key), nothing when the study holds it (then False)."""
     attrs = {"status": result.status, "config_key": result.key, **({"reason": result.reason[:500]} if result.reason else {})}
     if result.ok:
-        finish_trial(study, trial, optuna.trial.TrialState.COMPLETE, result.objective_us, attrs)
-    else:
-        finish_trial(study, trial, optuna.trial.TrialState.FAIL, None, attrs)
+        return finish_trial(study, trial, optuna.trial.TrialState.COMPLETE, result.objective_us, attrs, unless)
+    return finish_trial(study, trial, optuna.trial.TrialState.FAIL, None, attrs, unless)
 
 
 def open_study(space: Space, run: RunDir, *, strategy: str, seed: int | None, storage: str | None,
@@ -522,27 +525,31 @@ class _Search:
         self._probed = time.monotonic()
         self._repeats = 0
         self._maybe_queued = True
+        self._queue_probed = -math.inf
+        self._queue_seen = False
         self._distributions = {p.name: optuna.distributions.CategoricalDistribution(list(p.values)) for p in space.params}
 
     def _new_trial(self) -> int | None:
         """A queued trial (a retry, an enqueued configuration) if one is waiting, else a new
         one (created with this search's name in one transaction) unless the budget is full."""
         storage = internals.storage(self.study)
-        if self._maybe_queued or self.full:
-            for waiting in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
-                waiting_id = internals.trial_id(waiting)
+        if (self._maybe_queued or self.full) and self.queued():  # a small query before Optuna's read
+            for queued in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
+                waiting_id = internals.trial_id(queued)
                 try:
                     if not storage.set_trial_state_values(waiting_id, state=optuna.trial.TrialState.RUNNING):
                         continue
                 except optuna.exceptions.UpdateFinishedTrialError:
                     continue
-                if not self.ledger.own_trial(waiting.number, self.name):
+                if not self.ledger.own_trial(queued.number, self.name):
                     continue  # another search popped it at the same time (SQLite has no row locks)
                 storage.set_trial_user_attr(waiting_id, "run", self.name)
                 return waiting_id
-            self._maybe_queued = False
+        self._maybe_queued = False
         if self.full:
             return None
+        if hasattr(self.study.sampler, "claim_params"):  # a strategy that proposes whole configurations
+            return create_running_trial(self.study, {"run": self.name})
         template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, user_attrs={"run": self.name})
         return storage.create_new_trial(internals.study_id(self.study), template_trial=template)
 
@@ -559,7 +566,8 @@ class _Search:
             if not all(n in proposed for n in names):
                 return suggest_config(trial, self.space)
             config = self.space.config({n: proposed[n] for n in names})
-        if any(n not in frozen.params for n in names):  # a trial holds every parameter, a path's unused ones neutral
+        stored = getattr(self.study.sampler, "params_stored", lambda t: False)(trial)  # with the claim
+        if not stored and any(n not in frozen.params for n in names):  # every parameter, a path's unused ones neutral
             store_params(self.study, trial, config.canonical(), self._distributions)
         return config
 
@@ -631,10 +639,11 @@ class _Search:
         self.heartbeat.discard(internals.trial_id(trial))
         if report is not None:
             self.run.save_sources(report)
-        if self.heartbeat.enabled and self.ledger.requeued(trial.number):
-            return False
+        # another search took the trial for dead (its heartbeats stopped) and re-queued it: read in the tell's transaction
+        requeued = self.ledger.requeued_key(trial.number) if self.heartbeat.enabled else None
         try:
-            tell(self.study, trial, result)
+            if not tell(self.study, trial, result, unless=requeued):
+                return False
         except optuna.exceptions.UpdateFinishedTrialError:
             return False
         result.phases = {**result.phases, "strategy": round(candidate.strategy_s, 4),
@@ -651,10 +660,15 @@ class _Search:
         if self.full and time.monotonic() - self._probed > (self.heartbeat.interval or 1.0):
             self._probed = time.monotonic()  # another search may have given a slot back
             self.full = len(self.ledger.slots()) >= self.budget
-        return not self.full or self.queued()
+        if not self.full:
+            return True
+        if self._maybe_queued or time.monotonic() - self._queue_probed > QUEUE_PROBE_S:
+            self._queue_probed = time.monotonic()  # while the budget is full, a retry may still come
+            self._queue_seen = self.queued()
+        return self._queue_seen
 
     def queued(self) -> bool:
-        return bool(self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
+        return waiting(self.study)
 
     def check_stale(self, force: bool = False) -> None:
         """Re-queue dead searches' trials (at most once per heartbeat interval)."""
@@ -675,8 +689,7 @@ class _Search:
             return False
         if self.queued():
             return True
-        running_trials = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-        running = [i for i in map(internals.trial_id, running_trials) if i not in self.in_flight]
+        running = [i for i in trial_ids(self.study, optuna.trial.TrialState.RUNNING) if i not in self.in_flight]
         if not running:
             return False
         beating = self.ledger.heartbeats(running)
@@ -797,6 +810,8 @@ class _Proposer:
         self.enabled = callable(getattr(sampler, "prefetch", None))
         if self.enabled:
             sampler.batch_size = self.devices
+        if hasattr(sampler, "claim_params"):
+            sampler.claim_params = True  # the ask stores the parameters with the claim: one transaction
 
     def prefetch(self) -> None:
         if self.enabled:
@@ -805,12 +820,17 @@ class _Proposer:
     def close(self) -> None:
         if self.enabled:
             self.sampler.wait_prefetch(timeout=30)
+        if hasattr(self.sampler, "claim_params"):
+            self.sampler.claim_params = False
 
 
 COMPILE_NICENESS = 10
 """How much lower the compile processes run than the search and its GPU workers: when the
 ahead-compiles fill every core, a GPU worker or the search thread waiting for a core leaves
 its GPU idle."""
+QUEUE_PROBE_S = 0.5
+"""While every budget slot is taken, how often the loop looks for a queued trial (a retry of
+another search's dead trial): a look is a query, and the loop goes round once per result."""
 SWITCH_INTERVAL_S = 0.0005
 """The interpreter's thread switch interval during a search (Python's default is 5 ms): a
 lane thread whose worker has answered waits at most this long for the search thread to let

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import optuna
 import sqlalchemy
-from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.distributions import BaseDistribution, CategoricalDistribution, distribution_to_json
 from optuna.study import Study, StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
@@ -342,6 +342,11 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         self._fallback = optuna.samplers.RandomSampler(seed=seed)
         self.batch_size = 1
         """Proposals computed at once when none is waiting (the search loop sets it)."""
+        self.claim_params = False
+        """Whether a won claim also writes the trial's parameters, in its transaction (the search
+        loop sets it, and then stores no parameter of a trial for which ``params_stored``)."""
+        self._stored: set[int] = set()  # trial ids whose parameters the claim wrote
+        self._param_json = {name: distribution_to_json(d) for name, d in self._distributions.items()}
         self._queue: collections.deque[Proposal] = collections.deque()
         self._compute = threading.Lock()  # one batch computation at a time (they share the model and the rng)
         self._reading = threading.Lock()  # the history reader is not re-entrant
@@ -516,8 +521,11 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
             if proposal.origin == "repeat":
                 break
             if ledger.atomic and CLAIM_KEY not in trial.system_attrs:
+                params = self._param_rows(proposal.config, trial) if self.claim_params else ()
                 won, marked = ledger.claim_config_for(proposal.config.key(), trial.number, internals.trial_id(trial),
-                                                      CLAIM_KEY, proposal.to_attr())
+                                                      CLAIM_KEY, proposal.to_attr(), params)
+                if marked and params:
+                    self._stored.add(internals.trial_id(trial))
             elif ledger.atomic:
                 won = ledger.claim_config(proposal.config.key(), trial.number)
             else:  # a storage without compare-and-set: claim, then look for another holder
@@ -538,6 +546,17 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         self._remember(trial, proposal)
         values = proposal.config.canonical()  # a trial holds every parameter, a path's unused ones neutral
         return {n: values[n] for n in search_space if n in values}
+
+    def _param_rows(self, config: Config, trial: FrozenTrial) -> list[tuple[str, float, str]]:
+        """``config``'s parameters the trial does not hold, as the claim writes them (every
+        parameter: a path's unused ones at their neutral values)."""
+        values = config.canonical()
+        return [(name, self._distributions[name].to_internal_repr(values[name]), self._param_json[name])
+                for name in self._names if name in values and name not in trial.params]
+
+    def params_stored(self, trial: FrozenTrial | optuna.trial.BaseTrial) -> bool:
+        """Whether the claim wrote ``trial``'s parameters (``claim_params``)."""
+        return internals.trial_id(trial) in self._stored
 
     def proposal_for(self, trial: FrozenTrial | optuna.trial.BaseTrial) -> Proposal | None:
         """What this sampler proposed to ``trial`` (None for an enqueued or retried trial)."""
@@ -578,4 +597,6 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
     def _remember(self, trial: FrozenTrial, proposal: Proposal) -> None:
         self._proposals[internals.trial_id(trial)] = proposal
         while len(self._proposals) > 256:
-            self._proposals.pop(next(iter(self._proposals)))
+            oldest = next(iter(self._proposals))
+            del self._proposals[oldest]
+            self._stored.discard(oldest)

@@ -44,7 +44,6 @@ the kernel-regression screen.
 from __future__ import annotations
 
 import bisect
-import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,10 +126,11 @@ class EvoSampler(SpaceSampler):
         self._rows_cache: tuple[History, tuple[int, int, int], _Rows] | None = None
         self._tally: _Tally | None = None  # the reader's finished trials as rows, kept up to date
         self._fits_since_search = 0
-        self._canonical: dict[Config, dict] = {}
+        self._rows_of: dict[Config, tuple] = {}
         self._configs: dict[tuple, Config] = {}
         self._steps: dict[tuple[str, object], tuple] = {}
-        self._key = operator.itemgetter(*self._names)  # a configuration's values as a tuple (one: the value)
+        self._at = {name: i for i, name in enumerate(self._names)}
+        self._mutable_at: tuple[tuple[int, Param], ...] = tuple((self._at[p.name], p) for p in self._mutable)
 
     # -- public helpers -------------------------------------------------------------------
     def parents(self, study: Study) -> list[Config]:
@@ -323,41 +323,48 @@ class EvoSampler(SpaceSampler):
 
     def _crossover(self, a: Config, b: Config) -> Config:
         """Uniform crossover: each parameter from either parent with probability 1/2."""
-        first, second = self._values(a), self._values(b)  # every parameter, a path's unused ones neutral
-        return self._config({n: (first[n] if self._rng.random() < 0.5 else second[n]) for n in self._names})
+        rng = self._rng
+        # every parameter, a path's unused ones neutral
+        return self._config(tuple(x if rng.random() < 0.5 else y for x, y in zip(self._values(a), self._values(b))))
 
     def _mutate(self, config: Config, force: bool = True) -> Config:
         """Each parameter changes with ``mutation_rate``; with ``force``, at least one does."""
         if not self._mutable:
             return config
-        rng = self._rng
-        values = self._values(config)
-        changes = {p.name: self._step(p, values[p.name]) for p in self._mutable if rng.random() < self.mutation_rate}
-        if not changes and force:
-            p = rng.choice(self._mutable)
-            changes[p.name] = self._step(p, values[p.name])
-        return self._config({**values, **changes})
+        rng, rate = self._rng, self.mutation_rate
+        values = list(self._values(config))
+        changed = False
+        for i, p in self._mutable_at:
+            if rng.random() < rate:
+                values[i] = self._step(p, values[i])
+                changed = True
+        if not changed and force:
+            i, p = rng.choice(self._mutable_at)
+            values[i] = self._step(p, values[i])
+        return self._config(tuple(values))
 
-    def _values(self, config: Config) -> dict:
-        """``config.canonical()``, computed once per configuration (not to be changed)."""
-        values = self._canonical.get(config)
+    def _values(self, config: Config) -> tuple:
+        """``config.canonical()``'s values in the order of the space's parameters, computed
+        once per configuration."""
+        values = self._rows_of.get(config)
         if values is None:
-            if len(self._canonical) >= _MEMO:
-                self._canonical.clear()
-            values = self._canonical[config] = config.canonical()
+            if len(self._rows_of) >= _MEMO:
+                self._rows_of.clear()
+            canonical = config.canonical()
+            values = self._rows_of[config] = tuple(canonical[n] for n in self._names)
         return values
 
-    def _config(self, values: dict) -> Config:
-        """``space.config(values)``, the space's own object for a valid one; an operator's child
-        is looked up, not built again, when it comes up again."""
-        key = self._key(values)
-        config = self._configs.get(key)
+    def _config(self, values: tuple) -> Config:
+        """``space.config`` of ``values`` (in the order of the space's parameters), the space's
+        own object for a valid one; an operator's child is looked up, not built again, when it
+        comes up again."""
+        config = self._configs.get(values)
         if config is None:
             if len(self._configs) >= _MEMO:
                 self._configs.clear()
-            config = self.space.config(values)
+            config = self.space.config(dict(zip(self._names, values)))
             valid = self.tables.index
-            config = self._configs[key] = self.valid[valid[config]] if config in valid else config
+            config = self._configs[values] = self.valid[valid[config]] if config in valid else config
         return config
 
     def _step(self, param: Param, value: object) -> object:
