@@ -10,7 +10,7 @@ searches of K devices each, ``--devices-per-process K``, sharing one study in ``
 SQLite file: several hosts as one host simulates them), each with a fresh run directory
 and compile cache. The search loop's own time (run.json's summary) gives evaluations per
 minute; the process time (workers' start, SDPA baseline) is shown besides. Duplicates are
-configurations recorded more than once; the split is the evaluations per GPU.
+configurations recorded more than once in one partition; the split is the evaluations per GPU.
 """
 from __future__ import annotations
 
@@ -55,8 +55,10 @@ def _finish(procs: list[subprocess.Popen], runs: list[Path], started: float, mod
             raise SystemExit(f"search failed ({mode}, {gpus} GPU(s)):\n{err.strip()[-2000:]}")
         summaries.append(json.loads(out)["summary"])
     wall = time.perf_counter() - started
-    keys = [json.loads(line)["key"] for run in runs if (run / "results.jsonl").exists()
-            for line in (run / "results.jsonl").read_text().splitlines() if line.strip().endswith("}")]
+    # a configuration searched in two partitions (head dims) is two evaluations, not a duplicate
+    keys = [(record.get("partition"), record["key"]) for run in runs if (run / "results.jsonl").exists()
+            for line in (run / "results.jsonl").read_text().splitlines() if line.strip().endswith("}")
+            for record in (json.loads(line),)]
     split: Counter[str] = Counter()
     for i, s in enumerate(summaries):
         for device, n in s.get("per_device", {str(i): s["evaluated"]}).items():
@@ -125,11 +127,13 @@ def main() -> None:
         return
     print(f"space {args.space}, budget {args.trials}, strategy {args.strategy}"
           + (f", replay ({args.replay_delay:g} s per evaluation)" if args.replay else "") + f"; runs in {root}")
-    print(f"{'mode':<10}{'GPUs':>5}{'evals':>7}{'loop s':>8}{'proc s':>8}{'evals/min':>10}{'speed-up':>9}{'dups':>5}  split")
+    print(f"{'mode':<10}{'GPUs':>5}{'evals':>7}{'loop s':>8}{'proc s':>8}{'evals/min':>10}{'speed-up':>9}{'dups':>5}"
+          f"{'busy':>6}  split")
     for r in rows:
         split = " ".join(f"{d}:{k}" for d, k in r["split"].items())
+        busy = f"{100 * r['gpu_busy_share']:.0f}%" if r["gpu_busy_share"] is not None else "-"
         print(f"{r['mode']:<10}{r['gpus']:>5}{r['evaluations']:>7}{r['loop_s']:>8.1f}{r['process_s']:>8.1f}"
-              f"{r['evaluations_per_minute']:>10.1f}{(r['speedup'] or 0):>8.2f}x{r['duplicates']:>5}  {split}")
+              f"{r['evaluations_per_minute']:>10.1f}{(r['speedup'] or 0):>8.2f}x{r['duplicates']:>5}{busy:>6}  {split}")
     print("where an evaluation's time went (ms per evaluation, summed over the GPUs):")
     for r in rows:
         phases = " ".join(f"{name} {ms:g}" for name, ms in r["phases_ms_per_evaluation"].items() if ms >= 0.5)
