@@ -216,6 +216,30 @@ def test_candidates_compile_ahead_and_their_sources_are_kept(tmp_path: Path, spa
     assert all("LAUNCH" in (run.path / "sources" / name).read_text() for name in sources)
 
 
+def test_one_warmed_compile_pool_serves_every_partition(tmp_path: Path, space_yaml: Path) -> None:
+    """``compile_pool`` starts its processes at once (each first imports the builds' modules and
+    loads NVRTC), and ``run_search`` given it compiles with it and leaves it running for the next
+    partition."""
+    from evoengineer.search import ReplayCandidates, RunDir, open_study, run_search
+    from evoengineer.search.loop import compile_pool
+    from evoengineer.space import load_space
+
+    space = load_space(space_yaml)
+    pool = compile_pool(2)
+    try:
+        assert pool.submit(os.getpid).result() != os.getpid()
+        for name in ("first", "second"):
+            run = RunDir.create(tmp_path / name, space)
+            study = open_study(space, run, strategy="random", seed=3, storage=None, study_name=None, resume=False)
+            stats = run_search(space, ReplayCandidates(RECORDING), run, study, arch="sm_90", trials=3, build=True,
+                               compile_workers=2, pool=pool)
+            assert stats.evaluated == 3
+            assert len(list((run.path / "sources").iterdir())) == 3 * len(space.variants)   # compiled, sources kept
+        assert pool.submit(sum, (1, 2)).result() == 3   # not shut down by either search
+    finally:
+        pool.shutdown(wait=True)
+
+
 def test_compile_processes_run_below_the_search() -> None:
     """The search's compile pool lowers its own priority, so GPU workers and the search
     thread get a core when every compile process is busy."""

@@ -34,7 +34,7 @@ from ..search import (
     run_search,
     study_problem,
 )
-from ..search.loop import writing
+from ..search.loop import compile_pool, writing
 from ..search.partition import DEFAULT_PARTITION, PARTITION_BY, Partition, narrow_evaluator, plan
 from ..search.optuna_internals import unsupported_reason
 from ..space import STRATEGIES, Space
@@ -228,6 +228,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     # -- the evaluators: one per device ---------------------------------------------------
     evaluators: list[Any]
+    pool = None  # the compile processes (a GPU search), one pool for every partition
     if replay is not None:
         mismatch = replay.mismatch(space)
         if mismatch:
@@ -240,7 +241,12 @@ def cmd_search(args: argparse.Namespace) -> int:
         arch = space.target.arch
     else:
         require_gpu()
-        evaluators, info, arch, space = _start_gpus(space, devices, seed, console)
+        pool = compile_pool()  # its processes start and warm up beside the GPU workers and SDPA's timing
+        try:
+            evaluators, info, arch, space = _start_gpus(space, devices, seed, console)
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     if replay is not None and not replay.case_labels() and partition_by != "none":
         if args.partition:  # a recording of geometric means alone cannot answer for a part of the cases
             console.print(f"note: {replay.path.name} holds no per-case times: one search over every case "
@@ -289,7 +295,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         run.write_meta(meta)
         run.write_json("env.json", info)
     except BaseException:
-        _close(evaluators)
+        _close(evaluators, pool)
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)  # no stub run left behind
         raise
@@ -357,8 +363,10 @@ def cmd_search(args: argparse.Namespace) -> int:
             # the time left split evenly over the partitions still to run
             run_search(part.space, evaluators, run, study, arch=arch, trials=part.trials,
                        time_s=None if left_s is None else left_s / (len(partitions) - index), on_result=on_result,
-                       build=not args.replay, partition=part.name, stats=stats)
+                       build=not args.replay, partition=part.name, stats=stats, pool=pool)
 
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
     summary = stats.summary()
     board = _finalize(run, partitions, evaluators, top_k, baseline, info, console,
                       retime_rounds=0 if args.replay else args.retime_rounds)
@@ -426,10 +434,12 @@ def _start_gpus(space: Space, devices: list[int], seed: int | None, console: Con
     return evaluators, info, arch, space
 
 
-def _close(evaluators: list[Any]) -> None:
+def _close(evaluators: list[Any], pool: Any = None) -> None:
     for ev in evaluators:
         if hasattr(ev, "close"):
             ev.close()
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _finalize(run: RunDir, partitions: list[Partition], evaluators: list[Any], top_k: int, baseline: dict, info: dict,

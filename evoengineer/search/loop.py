@@ -7,6 +7,7 @@ the study; the evaluator is anything with ``evaluate(config, report) -> EvalResu
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import math
 import multiprocessing
@@ -721,6 +722,7 @@ def run_search(
     build: bool = True,
     partition: str | None = None,
     stats: SearchStats | None = None,
+    pool: ProcessPoolExecutor | None = None,
 ) -> SearchStats:
     """Evaluate until ``trials`` evaluations are recorded in the study (or time runs out).
 
@@ -733,7 +735,9 @@ def run_search(
 
     ``partition``: the search partition ``space`` and ``study`` are (``search.partition``),
     whose name tags the records; ``stats``: a search's statistics to add to (one per search
-    over its partitions), its clock going on.
+    over its partitions), its clock going on; ``pool``: the compile processes to use
+    (``compile_pool``: one for every partition, started before the search; left running),
+    else the loop starts its own.
     """
     evaluators = list(evaluator) if isinstance(evaluator, (list, tuple)) else [evaluator]
     workers = compile_workers or max(1, (os.cpu_count() or 2) - 1)
@@ -747,8 +751,12 @@ def run_search(
         stats = SearchStats(devices=len(evaluators))
     began = stats.elapsed_s
     stats.finished = None
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_compile_process_init) if build else None
+    own_pool = pool is None and build
+    if own_pool:
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_compile_process_init)
+    elif not build:
+        pool = None
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(min(switch_interval, SWITCH_INTERVAL_S))
     lanes = _Lanes(evaluators)
@@ -791,7 +799,7 @@ def run_search(
         # search, once their heartbeats stop) re-queues them
         lanes.close(wait=failure is None and not search.in_flight)
         search.heartbeat.close()
-        if pool is not None:
+        if own_pool and pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         sys.setswitchinterval(switch_interval)
         stats.add_phases({"idle": lanes.idle_s})
@@ -835,6 +843,26 @@ SWITCH_INTERVAL_S = 0.0005
 """The interpreter's thread switch interval during a search (Python's default is 5 ms): a
 lane thread whose worker has answered waits at most this long for the search thread to let
 it hand over the next job."""
+
+
+def compile_pool(workers: int | None = None) -> ProcessPoolExecutor:
+    """The search's compile processes (``workers``: one per core but one), started now and warmed
+    (their imports done, NVRTC loaded) while the GPU workers start and SDPA is timed, so that no
+    partition's first candidates wait for a process to start. The caller shuts it down."""
+    workers = workers or max(1, (os.cpu_count() or 2) - 1)
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_compile_process_init)
+    for _ in range(workers):
+        pool.submit(_warm_compile_process)
+    return pool
+
+
+def _warm_compile_process() -> None:
+    """A compile process's first job: the builds' modules imported and NVRTC loaded."""
+    from ..kernels.compile import nvrtc_version
+
+    importlib.import_module("evoengineer.kernels.static")  # the builds' module, the templates' environment with it
+    nvrtc_version()
 
 
 def _compile_process_init() -> None:
