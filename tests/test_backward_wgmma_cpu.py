@@ -66,7 +66,7 @@ def test_the_rules_and_the_template_agree_on_every_combination(head_dim: int) ->
             # the mma path's argument list and workspaces: the runtime launches either path alike
             mma = render(BACKWARD_TEMPLATE, MMA, variant)
             assert backward_arguments(rendered) == backward_arguments(mma)
-    assert built == {64: 2 * 15, 128: 2 * 7}[head_dim]
+    assert built == {64: 2 * 9, 128: 2 * 3}[head_dim]
 
 
 def test_the_rules_name_what_they_refuse() -> None:
@@ -94,7 +94,7 @@ def test_the_backward_space_holds_exactly_the_wgmma_configurations_the_rules_bui
     assert valid and {c for c in SPACE.search.seeds if c["PATH"] == "wgmma"} <= valid
     # narrowed to D64, the 128-row tile (BLOCK_M + D over 192 at D128) joins, as its seed
     d64 = SPACE.with_shapes([(4, 16, 2048, 64, 2048)])
-    wide = wgmma_config(128, 128)
+    wide = wgmma_config(128, 128, producer=1)
     assert d64.contains(wide) and not SPACE.contains(wide) and wide in d64.search.seeds
 
 
@@ -113,20 +113,23 @@ def test_every_valid_wgmma_configuration_compiles_for_sm90a_without_spills() -> 
     named = {(d, c) for d, by_name in WGMMA_CONFIGS.items() for c in by_name.values()}
     seeds = {c for c in SPACE.search.listed_seeds if c["PATH"] == "wgmma"}
     assert {(d, c) for c in seeds for d in (64, 128) if not problems(c, d)} | named <= {(v.head_dim, c) for c, v in builds}
-    results = compile_many([render(BACKWARD_TEMPLATE, c, v).source for c, v in builds], "sm_90a", workers=2)
+    results = list(compile_many([render(BACKWARD_TEMPLATE, c, v).source for c, v in builds], "sm_90a", workers=2))
     failed = [f"{c.label()} {v.label()}: {r.error}" for (c, v), r in zip(builds, results) if not r.ok]
     assert not failed, failed[:3]
     spilled = [f"{c.label()} {v.label()}: {r.spill_bytes} bytes" for (c, v), r in zip(builds, results) if r.spill_bytes]
     assert not spilled, spilled
     assert not any(r.wgmma_serialized for r in results)
-    assert len(builds) == 4 * (15 + 7)
+    assert len(builds) == 4 * (9 + 3)
 
 
 def test_an_export_takes_a_wgmma_backward_by_name_or_parameters() -> None:
     from evoengineer.results.export_backward import parse_backward_option, short_backward
 
-    assert parse_backward_option("D128:w64n128") == {128: WGMMA_CONFIGS[128]["w64n128"]}
-    assert parse_backward_option("PATH=wgmma,BLOCK_M=64,BLOCK_N=128,CONSUMER_WGS=2") == {
-        64: wgmma_config(64, 128), 128: wgmma_config(64, 128)}
-    assert parse_backward_option("PATH=wgmma,BLOCK_M=128,BLOCK_N=128,CONSUMER_WGS=2") == {64: wgmma_config(128, 128)}
+    assert parse_backward_option("D128:w64n128-pr") == {128: WGMMA_CONFIGS[128]["w64n128-pr"]}
+    assert parse_backward_option("PATH=wgmma,BLOCK_M=64,BLOCK_N=128,CONSUMER_WGS=2,PRODUCER=1") == {
+        64: wgmma_config(64, 128, producer=1), 128: wgmma_config(64, 128, producer=1)}
+    # a configuration valid at one head dim only (at D128 without a producer ptxas spills)
+    assert parse_backward_option("PATH=wgmma,BLOCK_M=64,BLOCK_N=128,CONSUMER_WGS=2") == {64: wgmma_config(64, 128)}
+    assert parse_backward_option("PATH=wgmma,BLOCK_M=128,BLOCK_N=128,CONSUMER_WGS=2,PRODUCER=1") == {
+        64: wgmma_config(128, 128, producer=1)}
     assert short_backward(wgmma_config(64, 128)) == "bwd wgmma 64x128 st2 atomic"

@@ -142,14 +142,12 @@ tests accept: ``tiles`` configurations at 255 registers whose spills are a few l
 
 WGMMA_CONFIGS: dict[int, dict[str, Config]] = {
     64: {
-        "w64n64": wgmma_config(64, 64),
+        "w64n64-pr": wgmma_config(64, 64, producer=1),
         "w64n128": wgmma_config(64, 128),
-        "w128n128": wgmma_config(128, 128),
-        "w128n64-st1": wgmma_config(128, 64, stages=1),
+        "w128n128-st1": wgmma_config(128, 128, stages=1),
         "w128n128-pr": wgmma_config(128, 128, producer=1),
     },
     128: {
-        "w64n128": wgmma_config(64, 128),
         "w64n64-st1": wgmma_config(64, 64, stages=1),
         "w64n128-st1": wgmma_config(64, 128, stages=1),
         "w64n128-pr": wgmma_config(64, 128, producer=1),

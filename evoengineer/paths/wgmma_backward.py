@@ -62,6 +62,16 @@ def accumulators(c: Scope, head_dim: int) -> int:
     return int(c["BLOCK_M"]) + head_dim + (LONE_PREFETCH if lone else 0)
 
 
+def spill_free_at_the_limit(c: Scope) -> bool:
+    """At MAX_ACCUMULATORS the combinations whose causal variants ptxas (NVRTC 13.5) compiles without
+    spills: two consumer warpgroups whose second stage is loaded by a producer (or one stage and no
+    producer), or one warpgroup of 64 rows, one stage and no producer."""
+    wgs, stages, producer = int(c["CONSUMER_WGS"]), int(c["STAGES"]), int(c.get("PRODUCER", 0))
+    if wgs == 2:
+        return (stages == 2) == (producer == 1)
+    return stages == 1 and not producer and int(c["BLOCK_M"]) == 64
+
+
 def kernel_smem(c: Scope, head_dim: int) -> dict[str, int]:
     """Dynamic shared memory of each kernel of the backward (bytes), as the template declares it:
     1 KB to align the swizzled tiles, K and V, STAGES x (Q, dO, LSE and D rows), dS^T, and with a
@@ -88,6 +98,10 @@ RULES = (
     rule(NAME, "registers", f"S^T, dP^T, dK and dV accumulators (BLOCK_M + head dim floats, {LONE_PREFETCH} more where "
          f"one warpgroup prefetches the next tile alone) within {MAX_ACCUMULATORS}", "BLOCK_M CONSUMER_WGS STAGES PRODUCER",
          lambda c: accumulators(c, c["MAX_HEAD_DIM"]) <= MAX_ACCUMULATORS),
+    rule(NAME, "at-the-limit", f"at {MAX_ACCUMULATORS} accumulators, two warpgroups with a producer for 2 stages or none "
+         "for 1, or one warpgroup of 64 rows, 1 stage, no producer (else ptxas spills in the causal variants)",
+         "BLOCK_M CONSUMER_WGS STAGES PRODUCER",
+         lambda c: accumulators(c, c["MAX_HEAD_DIM"]) != MAX_ACCUMULATORS or spill_free_at_the_limit(c)),
     rule(NAME, "smem", "every kernel's tiles fit the shared memory per block", "BLOCK_M BLOCK_N STAGES PRODUCER",
          lambda c: smem_bytes(c, c["MAX_HEAD_DIM"]) <= c["SMEM_LIMIT"]),
 )
