@@ -7,8 +7,8 @@
 
 Each row is one `evoengineer search` (``--devices 0,..,N-1``; with ``--processes`` also N / K
 searches of K devices each, ``--devices-per-process K``, sharing one study in ``--storage`` or a
-SQLite file: several hosts as one host simulates them), each with a fresh run directory
-and compile cache. The search loop's own time (run.json's summary) gives evaluations per
+SQLite file and the host's cores, ``--jobs`` each: several hosts as one host simulates them),
+each with a fresh run directory and compile cache. The search loop's own time (run.json's summary) gives evaluations per
 minute; the process time (workers' start, SDPA baseline) is shown besides. Duplicates are
 configurations recorded more than once in one partition; the split is the evaluations per GPU.
 """
@@ -116,7 +116,8 @@ def main() -> None:
             runs = [root / f"process-{n}-{i}" for i in range(len(groups))]
             study = f"scaling-{n}-{os.getpid()}-{int(time.time())}"
             started = time.perf_counter()
-            procs = [_search(args, r, ["--devices", group, "--storage", storage, "--study", study, "--quiet"],
+            jobs = ["--jobs", str(max(1, ((os.cpu_count() or 2) - 1) // len(groups)))] if not args.replay else []
+            procs = [_search(args, r, ["--devices", group, "--storage", storage, "--study", study, "--quiet", *jobs],
                              root / f"cache-process-{n}") for r, group in zip(runs, groups)]
             rows.append(_finish(procs, runs, started, f"{len(groups)}x{per}", n))
     base = next((r["evaluations_per_minute"] for r in rows if r["gpus"] == 1), None)

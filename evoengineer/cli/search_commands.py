@@ -241,7 +241,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         arch = space.target.arch
     else:
         require_gpu()
-        pool = compile_pool()  # its processes start and warm up beside the GPU workers and SDPA's timing
+        pool = compile_pool(args.jobs)  # its processes start and warm up beside the GPU workers and SDPA's timing
         try:
             evaluators, info, arch, space = _start_gpus(space, devices, seed, console)
         except BaseException:
@@ -363,7 +363,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             # the time left split evenly over the partitions still to run
             run_search(part.space, evaluators, run, study, arch=arch, trials=part.trials,
                        time_s=None if left_s is None else left_s / (len(partitions) - index), on_result=on_result,
-                       build=not args.replay, partition=part.name, stats=stats, pool=pool)
+                       build=not args.replay, partition=part.name, stats=stats, pool=pool, compile_workers=args.jobs)
 
     if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -561,6 +561,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heartbeat", type=whole(1), metavar="S",
                    help=f"seconds between the heartbeats of running trials in the study (default {DEFAULT_HEARTBEAT_S}); "
                         f"a trial silent for {GRACE_BEATS} heartbeats belongs to a dead search and is re-queued")
+    p.add_argument("--jobs", type=whole(1), default=None,
+                   help="parallel compile processes (default: one per core but one); searches sharing a host "
+                        "share its cores: give each its part")
     p.add_argument("--retime-rounds", type=whole(0), default=3,
                    help="interleaved re-timing rounds for the finalists (default 3; 0: rank on the search's timings)")
     p.add_argument("--replay", metavar="RECORDING",
