@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_the_shapes_and_backward_flops_of_the_issue() -> None:
     assert [s.label() for s in SHAPES] == ["B4 H16 S2048 D64", "B4 H16 S2048 D128", "B8 H16 S4096 D128",
-                                          "B2 H32/8 S4096 D128"]
+                                          "B2 H32/8 S4096 D128", "B1 H32 S8192 D128"]
     shape = TrainShape(4, 16, 16, 2048, 128)
     assert backward_flops(shape, False) == pytest.approx(2.5 * 4 * 4 * 16 * 2048 * 2048 * 128)
     assert backward_flops(shape, True) == backward_flops(shape, False) / 2

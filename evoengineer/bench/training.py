@@ -33,8 +33,8 @@ class TrainShape:
 
 
 SHAPES = (TrainShape(4, 16, 16, 2048, 64), TrainShape(4, 16, 16, 2048, 128), TrainShape(8, 16, 16, 4096, 128),
-          TrainShape(2, 32, 8, 4096, 128))
-"""The shapes of the training comparison (the last one grouped-query)."""
+          TrainShape(2, 32, 8, 4096, 128), TrainShape(1, 32, 32, 8192, 128))
+"""The shapes of the training comparison (the fourth grouped-query, the last one long sequence)."""
 
 
 def backward_flops(shape: TrainShape, causal: bool) -> float:
