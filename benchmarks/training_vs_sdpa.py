@@ -3,10 +3,11 @@ training step with SDPA and with the export.
 
     python benchmarks/training_vs_sdpa.py --module best/ [--out bench/] [--quick]
 
-Rows: B4 H16 S2048 D64 and D128, B8 H16 S4096 D128, GQA B2 H32/8 S4096 D128, B1 H32 S8192 D128, full
-and causal, fp16 and bf16 (a row whose variant the export's backward does not cover is skipped). Per row:
-each side's backward device time (CUDA-graph replay) and TF/s (2.5 x the forward's FLOPs, half
-for causal) in interleaved rounds, and evo's time over each other side's, paired per round.
+Rows: B4 H16 S2048 D64 and D128, B8 H16 S4096 D128, GQA B2 H32/8 S4096 D128, B1 H32 S8192
+D128, full and causal, fp16 and bf16 (a row whose variant the export's backward does not cover
+is skipped). Per row: each side's backward device time (CUDA-graph replay) and TF/s (2.5 x the
+forward's FLOPs, half for causal) in interleaved rounds, and evo's time over each other side's,
+paired per round.
 What is measured and how: ``evoengineer.bench.training``.
 """
 from __future__ import annotations
