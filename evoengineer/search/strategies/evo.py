@@ -236,7 +236,7 @@ class EvoSampler(SpaceSampler):
         ok = [(index[c], v) for c, v in history.complete if v > 0 and c in index]
         done = {c for c, _ in history.complete} | set(history.failed)
         return _Rows(
-            ok=np.array([i for i, _ in ok], dtype=int), values=[v for _, v in ok],
+            ok=np.array([i for i, _ in ok], dtype=int), values=np.array([v for _, v in ok], dtype=float),
             complete=np.array([index[c] for c, _ in history.complete if c in index], dtype=int),
             failed=np.array([index[c] for c in history.failed if c in index], dtype=int),
             pending=np.array([index[c] for c in history.seen - done if c in index], dtype=int),
@@ -381,7 +381,7 @@ class _Rows:
     completed one, failures, pending configurations, and the valid ones not in the study (sorted)."""
 
     ok: np.ndarray
-    values: list[float]
+    values: np.ndarray
     complete: np.ndarray
     failed: np.ndarray
     pending: np.ndarray
@@ -404,7 +404,9 @@ class _Tally:
         self._keys: list[tuple[float, int]] = []  # the completed ones' (rank, trial number), sorted
         self._rows: list[int] = []  # their rows, in that order
         self._values: list[float] = []  # their objectives, in that order
-        self._ranked: tuple[np.ndarray, list[float], np.ndarray] | None = None
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # ``_rows``, ``_values`` as arrays
+        self._inserted: list[tuple[int, int, float]] = []  # (at, row, value) since ``_arrays``
+        self._ranked: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def advance(self, upto: int, maximize: bool) -> None:
         for entry in self.log[self.cursor:upto]:
@@ -421,6 +423,7 @@ class _Tally:
                     self._keys.insert(at, key)
                     self._rows.insert(at, row)
                     self._values.insert(at, entry.value)
+                    self._inserted.append((at, row, entry.value))
                     self._ranked = None
             elif entry.state == TrialState.FAIL:
                 self.n_failed += 1
@@ -429,13 +432,20 @@ class _Tally:
                     self.failed.append(row)
         self.cursor = max(self.cursor, upto)
 
-    def ranked(self) -> tuple[np.ndarray, list[float], np.ndarray]:
+    def ranked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows of the successes (objective > 0) and their values, and rows of every completed
-        configuration, best first (as ``History.complete``)."""
+        configuration, best first (as ``History.complete``). The arrays take the entries added
+        since the last call where they go (a copy in numpy), not rebuilt from the lists."""
         if self._ranked is None:
-            rows, values = np.array(self._rows, dtype=int), np.array(self._values, dtype=float)
+            if self._arrays is None or len(self._inserted) > 64:
+                rows, values = np.array(self._rows, dtype=int), np.array(self._values, dtype=float)
+            else:
+                rows, values = self._arrays
+                for at, row, value in self._inserted:
+                    rows, values = np.insert(rows, at, row), np.insert(values, at, value)
+            self._arrays, self._inserted = (rows, values), []
             positive = values > 0
-            self._ranked = (rows[positive], values[positive].tolist(), rows)
+            self._ranked = (rows[positive], values[positive], rows)
         return self._ranked
 
 
