@@ -264,8 +264,8 @@ def test_the_scan_of_a_large_space_scores_a_bounded_sample(monkeypatch: pytest.M
         _batch_round(study, space, replay, 1)
     monkeypatch.setattr(evo, "SCAN_LIMIT", 16)
     scored: list[int] = []
-    score = sampler._score
-    monkeypatch.setattr(sampler, "_score", lambda rows, history: scored.append(len(rows)) or score(rows, history))
+    best = sampler._best
+    monkeypatch.setattr(sampler, "_best", lambda rows, history: scored.append(len(rows)) or best(rows, history))
     history = sampler.history(study)
     proposal = sampler.best_unseen(history)
     assert scored == [16]
