@@ -284,6 +284,25 @@ def test_evo_breeding_makes_at_most_max_mutations_per_proposal(recording) -> Non
     assert max(made[16]) <= 16 < max(made[100_000])
 
 
+def test_evo_best_is_the_argmax_of_the_full_scores(recording) -> None:
+    """``_best`` computes the chance to run only for candidates that could still win, and picks
+    what scoring every candidate picks (with many failures, so that the chance is in play)."""
+    import random
+
+    evaluator, space, valid = recording
+    sampler = make_sampler("evo", space, seed=2)
+    for seed in range(8):
+        history = _history(space, valid, evaluator, len(valid) // 3, seed=seed)
+        draw = random.Random(seed)
+        failing = {c for c, _ in history.complete[1:] if draw.random() < 0.6}
+        history.complete = [(c, v) for c, v in history.complete if c not in failing]
+        history.failed += sorted(failing, key=lambda c: c.key())
+        sampler._fit(history)
+        free = sampler._rows(history).free
+        for rows in (free, free[seed::7], free[:5], free[-1:]):
+            assert sampler._best(rows, history) == int(np.argmax(sampler._score(rows, history)))
+
+
 def test_evo_candidates_are_children_and_neighbours_of_the_best(recording) -> None:
     """After the initial design every proposal is a child, a neighbour of one of the
     ``elites`` best (at most ``radius`` parameters changed, ordinal ones by one step), the

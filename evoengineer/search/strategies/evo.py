@@ -29,8 +29,10 @@ A proposal's cost does not grow with the history: the finished trials come from 
 reader's log, each turned into rows of the enumerated space once (``_Tally``); the process
 holds at most its ``max_points`` (then its length scale and noise are searched every
 ``SEARCH_EVERY`` fits, kept in between); breeding makes at most ``MAX_MUTATIONS`` mutations,
-repairs included; with no child or neighbour left, ``SCAN_LIMIT``
-unseen configurations drawn at random are scored, not the whole space. On the 17,956
+repairs included; the chance to run, which compares a candidate with every evaluated
+configuration, is computed only for the candidates whose expected improvement could still win
+(``_best``); with no child or neighbour left, ``SCAN_LIMIT`` unseen configurations drawn at
+random are scored, not the whole space. On the 17,956
 configurations of the GEMM recording, ``benchmarks/proposal_time.py`` measures the same time
 per proposal after 2,000 evaluations as after 100.
 
