@@ -100,6 +100,17 @@ def test_trial_ids_snapshots_and_suggest_through_the_adapter(sqlite_study: optun
     assert internals.distribution_contains(choice, 1) and not internals.distribution_contains(choice, 2)
 
 
+def test_a_trial_made_from_its_snapshot_is_the_one_optuna_makes_by_reading_it(sqlite_study: optuna.Study) -> None:
+    asked = sqlite_study.ask()
+    read = optuna.Trial(sqlite_study, internals.trial_id(asked))
+    made = internals.trial_of(sqlite_study, internals.frozen_trial(read))
+    assert set(vars(made)) == set(vars(read)) and internals.frozen_trial(made) == internals.frozen_trial(read)
+    assert made.number == asked.number and made.relative_params == {}
+    assert made.suggest_categorical("x", ["a", "b"]) in ("a", "b")
+    sqlite_study.tell(made, 1.0)
+    assert sqlite_study.trials[0].state == TrialState.COMPLETE and sqlite_study.trials[0].params.keys() == {"x"}
+
+
 def test_a_trial_whose_heartbeat_went_stale_is_found(sqlite_study: optuna.Study) -> None:
     beating, stale = sqlite_study.ask(), sqlite_study.ask()
     rdb = internals.rdb_backend(sqlite_study)

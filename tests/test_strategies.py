@@ -257,6 +257,52 @@ def test_evo_model_step_proposes_valid_unseen_configurations(recording) -> None:
     assert sampler.best_unseen(history).origin == "repeat"
 
 
+def test_evo_breeding_makes_at_most_max_mutations_per_proposal(recording) -> None:
+    """With most of the space evaluated, mutated children are mostly taken and repaired again:
+    a proposal's breeding stops at ``max_mutations`` (a bounded cost), still valid and new."""
+    from evoengineer.search.strategies.evo import EvoSampler
+
+    class Counting(EvoSampler):
+        mutations = 0
+
+        def _mutate(self, config: Config, force: bool = True) -> Config:
+            self.mutations += 1
+            return super()._mutate(config, force)
+
+    evaluator, space, valid = recording
+    history = _history(space, valid, evaluator, int(0.8 * len(valid)), seed=5)
+    history.seen |= set(space.search.seeds)
+    made: dict[int, list[int]] = {}
+    for budget in (16, 100_000):
+        sampler = Counting(space, seed=1, immigrant_rate=0.0, max_mutations=budget)
+        made[budget] = []
+        for _ in range(5):
+            sampler.mutations = 0
+            proposal = sampler.propose(None, None, history)  # type: ignore[arg-type]
+            assert space.contains(proposal.config) and proposal.config not in history.seen
+            made[budget].append(sampler.mutations)
+    assert max(made[16]) <= 16 < max(made[100_000])
+
+
+def test_evo_best_is_the_argmax_of_the_full_scores(recording) -> None:
+    """``_best`` computes the chance to run only for candidates that could still win, and picks
+    what scoring every candidate picks (with many failures, so that the chance is in play)."""
+    import random
+
+    evaluator, space, valid = recording
+    sampler = make_sampler("evo", space, seed=2)
+    for seed in range(8):
+        history = _history(space, valid, evaluator, len(valid) // 3, seed=seed)
+        draw = random.Random(seed)
+        failing = {c for c, _ in history.complete[1:] if draw.random() < 0.6}
+        history.complete = [(c, v) for c, v in history.complete if c not in failing]
+        history.failed += sorted(failing, key=lambda c: c.key())
+        sampler._fit(history)
+        free = sampler._rows(history).free
+        for rows in (free, free[seed::7], free[:5], free[-1:]):
+            assert sampler._best(rows, history) == int(np.argmax(sampler._score(rows, history)))
+
+
 def test_evo_candidates_are_children_and_neighbours_of_the_best(recording) -> None:
     """After the initial design every proposal is a child, a neighbour of one of the
     ``elites`` best (at most ``radius`` parameters changed, ordinal ones by one step), the
@@ -417,6 +463,8 @@ def test_make_sampler_rejects_unknown_names_and_options() -> None:
         make_sampler("anneal", space)
     with pytest.raises(ValueError, match="population"):
         make_sampler("evo", space, populaton=3)
+    with pytest.raises(ValueError, match="max_mutations"):
+        make_sampler("evo", space, max_mutations=0)
     assert set(SAMPLERS) == set(STRATEGIES)
     assert strategy_options("evo")["tournament"] == 3
     assert isinstance(make_sampler("tpe", space, seed=0), optuna.samplers.BaseSampler)

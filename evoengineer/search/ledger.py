@@ -50,7 +50,8 @@ class Ledger:
         self._study_id = internals.study_id(study)
         self._rdb = internals.rdb_backend(study)
         self.free_after = 0
-        self._taken: set[int] | None = None  # slots seen taken (``take_slot``)
+        self._low: int | None = None  # every slot below it was seen taken (``take_slot``; None: not read yet)
+        self._above: set[int] = set()  # the slots from ``_low`` on seen taken
         key = id(self._storage)
         self._lock = Ledger._local_locks.setdefault(key, threading.Lock())
 
@@ -152,25 +153,38 @@ class Ledger:
         """The lowest free slot below ``budget`` for ``trial_number``; None when all are taken.
         ``free_after`` then holds how many were still free at most.
 
-        The slots this ledger saw taken are remembered, so that a take is one insert, not a
-        read of every slot: an insert another search beat is the next slot's turn, and only
-        when every slot looks taken are they read again (another search may have given one back)."""
-        for fresh in (self._taken is None, True):
+        The slots this ledger saw taken are remembered (all below a mark, and the few above it),
+        so that a take is one insert, not a read of every slot nor a walk over them: an insert
+        another search beat is the next slot's turn, and only when every slot looks taken are
+        they read again (another search may have given one back)."""
+        for fresh in (self._low is None, True):
             if fresh:
-                self._taken = set(self.slots())
-            taken = self._taken
-            assert taken is not None
-            for index in range(budget):
-                if index in taken:
+                self._low, self._above = 0, set(self.slots())
+                self._seen_taken(-1)
+            index = self._low
+            assert index is not None
+            while index < budget:
+                if index in self._above:
+                    index += 1
                     continue
-                taken.add(index)
+                self._seen_taken(index)
                 if self.insert(f"slot:{index}", {"trial": trial_number}):
-                    self.free_after = sum(1 for i in range(index + 1, budget) if i not in taken)
+                    self.free_after = budget - index - 1 - sum(1 for i in self._above if index < i < budget)
                     return index
+                index += 1
             if fresh:
                 break
         self.free_after = 0
         return None
+
+    def _seen_taken(self, index: int) -> None:
+        """Remember slot ``index`` as taken (-1: none), and move the mark past the taken ones."""
+        assert self._low is not None
+        if index >= self._low:
+            self._above.add(index)
+        while self._low in self._above:
+            self._above.discard(self._low)
+            self._low += 1
 
     def hand_over_slot(self, from_trial: int, to_trial: int) -> int | None:
         """Move ``from_trial``'s slot (a dead worker's trial) to its retry ``to_trial``."""
@@ -182,8 +196,11 @@ class Ledger:
 
     def release_slot(self, index: int) -> None:
         self.delete(f"slot:{index}")
-        if self._taken is not None:
-            self._taken.discard(index)
+        if self._low is not None:
+            if index < self._low:  # those between it and the mark are still taken
+                self._above.update(range(index + 1, self._low))
+                self._low = index
+            self._above.discard(index)
 
     # -- configurations and trials ----------------------------------------------------
     def claim_config(self, key: str, trial_number: int) -> bool:

@@ -38,12 +38,12 @@ from .study import (
     GRACE_BEATS,
     Heartbeat,
     crash_point,
-    create_running_trial,
     finish_requeues,
     finish_trial,
     make_storage,
     requeue,
     requeue_stale,
+    running_trial,
     store_params,
     trial_ids,
     waiting,
@@ -530,7 +530,7 @@ class _Search:
         self._queue_seen = False
         self._distributions = {p.name: optuna.distributions.CategoricalDistribution(list(p.values)) for p in space.params}
 
-    def _new_trial(self) -> int | None:
+    def _new_trial(self) -> optuna.Trial | None:
         """A queued trial (a retry, an enqueued configuration) if one is waiting, else a new
         one (created with this search's name in one transaction) unless the budget is full."""
         storage = internals.storage(self.study)
@@ -545,14 +545,14 @@ class _Search:
                 if not self.ledger.own_trial(queued.number, self.name):
                     continue  # another search popped it at the same time (SQLite has no row locks)
                 storage.set_trial_user_attr(waiting_id, "run", self.name)
-                return waiting_id
+                return optuna.Trial(self.study, waiting_id)
         self._maybe_queued = False
         if self.full:
             return None
         if hasattr(self.study.sampler, "claim_params"):  # a strategy that proposes whole configurations
-            return create_running_trial(self.study, {"run": self.name})
+            return running_trial(self.study, {"run": self.name})
         template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, user_attrs={"run": self.name})
-        return storage.create_new_trial(internals.study_id(self.study), template_trial=template)
+        return optuna.Trial(self.study, storage.create_new_trial(internals.study_id(self.study), template_trial=template))
 
     def _configure(self, trial: optuna.Trial, frozen: optuna.trial.FrozenTrial) -> Config:
         """The trial's configuration: its parameters (a retry), its enqueued values, or the
@@ -576,10 +576,10 @@ class _Search:
         """Ask the strategy for the next trial, take its budget slot, submit its build.
         None when no slot is free, the space is exhausted, or another search took the trial."""
         started = time.perf_counter()
-        trial_id = self._new_trial()
-        if trial_id is None:
+        trial = self._new_trial()
+        if trial is None:
             return None
-        trial = optuna.Trial(self.study, trial_id)
+        trial_id = internals.trial_id(trial)
         frozen = internals.frozen_trial(trial)
         system = frozen.system_attrs
         self.heartbeat.add(trial_id)

@@ -3,7 +3,8 @@
 Optuna's public API has no compare-and-set on study attributes, no batched trial writes and
 no handle on a trial's storage id, so the search reaches under it: a study's storage and id
 (``Study._storage``, ``Study._study_id``), a trial's id and snapshot (``_trial_id``,
-``Trial._cached_frozen_trial``), ``Trial._suggest`` and ``BaseDistribution._contains``, the
+``Trial._cached_frozen_trial``) and a ``Trial`` made from a snapshot (its attributes, as its
+constructor sets them), ``Trial._suggest`` and ``BaseDistribution._contains``, the
 RDB storage behind the cached one (``_CachedStorage._backend``), its stale-trial query
 (``_get_stale_trial_ids``), and the RDB schema (``optuna.storages._rdb``: its models and
 ``_create_scoped_session``). No other module touches a private Optuna name:
@@ -64,6 +65,22 @@ def trial_id(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
 def frozen_trial(trial: optuna.Trial) -> optuna.trial.FrozenTrial:
     """The snapshot of a running trial that ``optuna.Trial`` read when it was made (no new read)."""
     return trial._cached_frozen_trial
+
+
+def trial_of(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> optuna.Trial:
+    """What ``optuna.Trial(study, trial_id)`` makes of a running trial, from the snapshot
+    ``frozen`` the caller holds (a trial it has just created), without reading the trial back."""
+    trial = optuna.Trial.__new__(optuna.Trial)
+    trial.study = study
+    trial._trial_id = frozen._trial_id
+    trial.storage = study._storage
+    trial._cached_frozen_trial = frozen
+    filtered = optuna.pruners._filter_study(study, frozen)
+    study.sampler.before_trial(filtered, frozen)
+    trial.relative_search_space = study.sampler.infer_relative_search_space(filtered, frozen)
+    trial._relative_params = None
+    trial._fixed_params = frozen.system_attrs.get("fixed_params", {})
+    return trial
 
 
 def suggest(trial: optuna.Trial, name: str, distribution: optuna.distributions.BaseDistribution) -> Any:

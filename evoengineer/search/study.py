@@ -358,6 +358,19 @@ def create_running_trial(study: optuna.Study, user_attrs: dict[str, Any]) -> int
     through its ORM: ~5 ms of CPU a trial). Optuna's cache of the study learns of the trial as
     of one another process created, so that a sampler suggesting parameter by parameter (which
     writes through that cache) gets its trials from ``create_new_trial``."""
+    made = _create_running(study, user_attrs)
+    return made if isinstance(made, int) else internals.trial_id(made)
+
+
+def running_trial(study: optuna.Study, user_attrs: dict[str, Any]) -> optuna.Trial:
+    """``create_running_trial`` as an ``optuna.Trial``: on an RDB storage made from what was
+    written (no read of the trial back, ~3 ms of CPU a trial)."""
+    made = _create_running(study, user_attrs)
+    return optuna.Trial(study, made) if isinstance(made, int) else internals.trial_of(study, made)
+
+
+def _create_running(study: optuna.Study, user_attrs: dict[str, Any]) -> "int | optuna.trial.FrozenTrial":
+    """The new trial's id (a storage other than RDB), else its snapshot as written."""
     storage, study_id = internals.storage(study), internals.study_id(study)
     rdb = _batching(study)
     if rdb is None:
@@ -368,19 +381,23 @@ def create_running_trial(study: optuna.Study, user_attrs: dict[str, Any]) -> int
 
     models = internals.trial_models()
     trials, studies = models.TrialModel.__table__, models.StudyModel.__table__
+    started = datetime.now()
     with internals.transaction(rdb) as session:
         # the study's row locked first, as Optuna does: trial numbers are counts of the trials before
         session.execute(sqlalchemy.select(studies.c.study_id).where(studies.c.study_id == study_id).with_for_update())
         trial_id = session.execute(sqlalchemy.insert(trials).values(
             study_id=study_id, number=None, state=optuna.trial.TrialState.RUNNING,
-            datetime_start=datetime.now())).inserted_primary_key[0]
+            datetime_start=started)).inserted_primary_key[0]
         number = session.execute(sqlalchemy.select(sqlalchemy.func.count(trials.c.trial_id)).where(
             trials.c.study_id == study_id, trials.c.trial_id < trial_id)).scalar_one()
         session.execute(sqlalchemy.update(trials).where(trials.c.trial_id == trial_id).values(number=number))
         if user_attrs:
             session.execute(sqlalchemy.insert(models.TrialUserAttributeModel.__table__), [
                 {"trial_id": trial_id, "key": key, "value_json": json.dumps(value)} for key, value in user_attrs.items()])
-    return int(trial_id)
+    return optuna.trial.FrozenTrial(
+        number=int(number), state=optuna.trial.TrialState.RUNNING, value=None, datetime_start=started,
+        datetime_complete=None, params={}, distributions={}, user_attrs=json.loads(json.dumps(user_attrs)),
+        system_attrs={}, intermediate_values={}, trial_id=int(trial_id))
 
 
 def finish_trial(study: optuna.Study, trial: optuna.Trial, state: optuna.trial.TrialState, value: float | None,
