@@ -133,3 +133,13 @@ def test_an_export_takes_a_wgmma_backward_by_name_or_parameters() -> None:
     assert parse_backward_option("PATH=wgmma,BLOCK_M=128,BLOCK_N=128,CONSUMER_WGS=2,PRODUCER=1") == {
         64: wgmma_config(128, 128, producer=1)}
     assert short_backward(wgmma_config(64, 128)) == "bwd wgmma 64x128 st2 atomic"
+
+
+def test_the_producer_takes_the_setmaxnreg_values_of_the_path_rules() -> None:
+    """Two consumer warpgroups beside a producer get ``REGISTERS``; one warpgroup or no producer, none."""
+    producer, consumer = paths.wgmma_backward.REGISTERS[2]
+    source = render(BACKWARD_TEMPLATE, wgmma_config(64, 128, producer=1), Variant(128, False, "bf16")).source
+    assert f"REG_PRODUCER = {producer};" in source and f"REG_CONSUMER = {consumer};" in source
+    for config in (wgmma_config(64, 128, stages=1), wgmma_config(64, 64, producer=1)):
+        source = render(BACKWARD_TEMPLATE, config, Variant(64, False, "fp16")).source
+        assert "REG_PRODUCER = 0;" in source and "REG_CONSUMER = 0;" in source
