@@ -34,7 +34,8 @@ from ..search import (
     run_search,
     study_problem,
 )
-from ..search.loop import compile_pool, writing
+from ..search.loop import build_ahead, compile_pool, writing
+from ..search.strategies import SAMPLERS
 from ..search.partition import DEFAULT_PARTITION, PARTITION_BY, Partition, narrow_evaluator, plan
 from ..search.optuna_internals import unsupported_reason
 from ..space import STRATEGIES, Space
@@ -262,6 +263,10 @@ def cmd_search(args: argparse.Namespace) -> int:
             raise UsageError(f"--trials {trials}: fewer evaluations than the {len(partitions)} partitions of the search "
                              f"({', '.join(str(p.name) for p in partitions)}); give at least {len(partitions)}, "
                              "or --partition none")
+        if pool is not None:  # the strategy's first proposals compile while SDPA is timed
+            opening = SAMPLERS[strategy].opening
+            for part in partitions:
+                build_ahead(pool, part.space, opening(part.space), arch)
         if not args.resume:
             if args.run_dir:
                 path = Path(args.run_dir)

@@ -432,6 +432,9 @@ class _Build:
         for f in self.futures:
             f.cancel()
 
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
 
 @dataclass
 class _Candidate:
@@ -444,12 +447,56 @@ class _Candidate:
     strategy_s: float
 
 
+class _Ready:
+    """Candidates waiting for a lane, in the order they were asked. A lane takes the first
+    whose build is done, else waits for one: a slow compile (a large kernel) does not hold
+    up the candidates asked after it that are ready to run."""
+
+    def __init__(self) -> None:
+        self._items: list[_Candidate | None] = []
+        self._changed = threading.Condition()
+
+    def _notify(self, _: Any = None) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def put(self, candidate: _Candidate | None) -> None:
+        with self._changed:
+            self._items.append(candidate)
+            self._changed.notify_all()
+        if candidate is not None and candidate.future is not None:
+            for f in candidate.future.futures:
+                f.add_done_callback(self._notify)
+
+    def get(self) -> tuple[_Candidate | None, float, float]:
+        """(the candidate, or None to stop; seconds waited with nothing asked; seconds waited
+        for a build while candidates were asked)."""
+        idle = building = 0.0
+        with self._changed:
+            while True:
+                for i, item in enumerate(self._items):
+                    if item is None or item.future is None or item.future.done():
+                        return self._items.pop(i), idle, building
+                asked, waited = bool(self._items), time.perf_counter()
+                self._changed.wait(timeout=0.5)
+                if asked:
+                    building += time.perf_counter() - waited
+                else:
+                    idle += time.perf_counter() - waited
+
+    def get_nowait(self) -> _Candidate | None:
+        with self._changed:
+            if not self._items:
+                raise queue.Empty
+            return self._items.pop(0)
+
+
 class _Lanes:
-    """One thread per evaluator (one per device): take the next candidate, wait for its
-    build, evaluate it, hand the result back. Nothing here touches the study."""
+    """One thread per evaluator (one per device): take the next built candidate, evaluate it,
+    hand the result back. Nothing here touches the study."""
 
     def __init__(self, evaluators: Sequence[CandidateEvaluator]) -> None:
-        self.ready: queue.Queue[_Candidate | None] = queue.Queue()
+        self.ready = _Ready()
         self.done: queue.Queue[tuple[_Candidate, EvalResult | BaseException, StaticReport | None]] = queue.Queue()
         self.idle_s = 0.0
         self._lock = threading.Lock()
@@ -467,17 +514,16 @@ class _Lanes:
             except Exception:  # noqa: BLE001 - a worker that cannot start fails its first evaluation, with a status
                 pass
         while True:
-            waited = time.perf_counter()
-            candidate = self.ready.get()
+            candidate, idle_s, building_s = self.ready.get()
             with self._lock:
-                self.idle_s += time.perf_counter() - waited
+                self.idle_s += idle_s
             if candidate is None:
                 return
             report = None
             try:
                 started = time.perf_counter()
                 report = candidate.future.result() if candidate.future is not None else None
-                compile_s = time.perf_counter() - started
+                compile_s = building_s + time.perf_counter() - started
                 result = evaluator.evaluate(candidate.config, report)
                 result.phases = {**result.phases, "compile": round(result.phases.get("compile", 0.0) + compile_s, 4)}
                 result.device = device if device is not None else index
@@ -855,6 +901,14 @@ def compile_pool(workers: int | None = None) -> ProcessPoolExecutor:
     for _ in range(workers):
         pool.submit(_warm_compile_process)
     return pool
+
+
+def build_ahead(pool: ProcessPoolExecutor, space: Space, configs: Sequence[Config], arch: str) -> list[Future]:
+    """Submit the builds of ``configs`` for every variant of ``space`` (a strategy's opening,
+    while the GPU workers start and SDPA is timed): the compile cache then holds them when the
+    search asks for them, so that no device waits for the first candidates' compiles."""
+    return [pool.submit(build_config_job, (space.template, config, (variant,), arch, space.target.smem_per_block))
+            for config in configs for variant in space.variants]
 
 
 def _warm_compile_process() -> None:

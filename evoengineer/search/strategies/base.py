@@ -354,6 +354,12 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         self._background_runs = 0
         self.batch_stats = {"batches": 0, "proposals": 0, "seconds": 0.0, "background": 0}
 
+    @classmethod
+    def opening(cls, space: Space) -> tuple[Config, ...]:
+        """The configurations this strategy proposes first on ``space`` whatever the results
+        (a search builds them while it starts); none unless a strategy says so."""
+        return ()
+
     def __str__(self) -> str:
         return f"{type(self).__name__}({self.space.name})"
 

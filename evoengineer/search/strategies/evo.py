@@ -161,6 +161,11 @@ class EvoSampler(SpaceSampler):
         free = tables.unseen(history)
         return [self.valid[j] for j in tables.near(i, free, self.radius if radius is None else radius)]
 
+    @classmethod
+    def opening(cls, space: Space) -> tuple[Config, ...]:
+        """Generation 0 starts with the space's seeds."""
+        return tuple(space.search.seeds)
+
     # -- the strategy ------------------------------------------------------------------------
     def propose(self, study: Study, trial: FrozenTrial, history: History) -> Proposal:
         rng = self._rng
