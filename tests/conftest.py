@@ -69,7 +69,7 @@ SLOW_TESTS: dict[str, str] = {
     "tests/test_search_cli.py::test_leaderboard_and_export_from_a_run": "all",
     "tests/test_search_cli.py::test_search_adds_a_shape_the_space_does_not_list_and_resumes_with_it": "all",
     "tests/test_search_cli.py::test_two_searches_share_one_study": "all",
-    "tests/test_partition.py::test_a_search_killed_in_its_second_partition_resumes_every_partitions_budget": "all",
+    "tests/test_partition.py::test_a_search_killed_mid_way_resumes_every_partitions_budget": "all",
     "tests/test_markers.py::test_slow_tests_run_only_when_asked_for": "all",
     "tests/test_run_damage.py::test_a_full_disk_stops_the_search_in_one_line_and_resume_finishes_the_budget": "all",
     "tests/test_run_damage.py::test_leaderboard_and_export_say_when_results_and_study_disagree": "all",

@@ -25,13 +25,14 @@ from ..search import (
     ReplayEvaluator,
     RunDir,
     RunFileError,
+    SearchPart,
     SearchStats,
     best_results,
     geomean,
     link_run,
     open_study,
     recover_interrupted,
-    run_search,
+    run_parts,
     study_problem,
 )
 from ..search.loop import build_ahead, compile_pool, writing
@@ -333,42 +334,41 @@ def cmd_search(args: argparse.Namespace) -> int:
     console.print(f"strategy {strategy}, budget {trials} evaluations" + (f" or {time_s / 60:.1f} min" if time_s else "")
                   + f", on {on}", soft_wrap=True)
     if len(partitions) > 1:
-        console.print(f"{len(partitions)} partitions (--partition {partition_by}), one after the other, evaluations each: "
+        console.print(f"{len(partitions)} partitions (--partition {partition_by}), side by side, evaluations each: "
                       + ", ".join(f"{p.name} {p.trials}" for p in partitions), soft_wrap=True)
     console.print(f"dashboard: optuna-dashboard {storage}", soft_wrap=True)
 
     total = sum(p.trials for p in partitions)
     done_before = len(run.results())
     stats = SearchStats(devices=len(evaluators))
-    with Progress(TextColumn("[bold]search[/]{task.fields[part]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    parts = [SearchPart(part.space, study, part.trials, part.name) for part, study in zip(partitions, studies)]
+    references = {part.name: sdpa_geomean(part) for part in partitions}
+    best_us: dict[str | None, float] = {}
+
+    def best_line() -> str:
+        if len(partitions) == 1:
+            best = best_us.get(partitions[0].name)
+            if best is None:
+                return ""
+            reference = references[partitions[0].name]
+            return f"best {best:.2f} µs" + (f" ({reference / best:.2f}× fastest SDPA)" if reference else "")
+        # several partitions side by side: each one's best against the fastest SDPA
+        return " ".join(f"{name} " + (f"{references[name] / best_us[name]:.2f}×" if references[name] else f"{best_us[name]:.1f} µs")
+                        for name in (p.name for p in partitions) if name in best_us)
+
+    with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[best]}"), TextColumn("{task.fields[counts]}"), console=console,
                   disable=args.quiet or args.json) as progress:
-        task = progress.add_task("search", total=total, completed=min(done_before, total), best="", counts="", part="")
-        for index, (part, study) in enumerate(zip(partitions, studies)):
-            left_s = None if time_s is None else time_s - stats.elapsed_s
-            if left_s is not None and left_s <= 0:
-                break
-            for ev in evaluators:
-                narrow_evaluator(ev, part.space)
-            reference = sdpa_geomean(part)
-            best_here: list[float] = []
+        task = progress.add_task("search", total=total, completed=min(done_before, total), best="", counts="")
 
-            def on_result(result: EvalResult, stats: SearchStats) -> None:
-                if result.ok and (not best_here or result.objective_us < best_here[0]):
-                    best_here[:] = [result.objective_us]
-                best = ""
-                if best_here:
-                    best = f"best {best_here[0]:.2f} µs"
-                    if reference:
-                        best += f" ({reference / best_here[0]:.2f}× fastest SDPA)"
-                counts = " ".join(f"{k} {v}" for k, v in stats.counts.items() if v)
-                progress.update(task, advance=1, best=best, counts=counts)
+        def on_result(result: EvalResult, stats: SearchStats, part: str | None) -> None:
+            if result.ok and (part not in best_us or result.objective_us < best_us[part]):
+                best_us[part] = result.objective_us
+            counts = " ".join(f"{k} {v}" for k, v in stats.counts.items() if v)
+            progress.update(task, advance=1, best=best_line(), counts=counts)
 
-            progress.update(task, part=f" {part.name}" if part.name else "", best="")
-            # the time left split evenly over the partitions still to run
-            run_search(part.space, evaluators, run, study, arch=arch, trials=part.trials,
-                       time_s=None if left_s is None else left_s / (len(partitions) - index), on_result=on_result,
-                       build=not args.replay, partition=part.name, stats=stats, pool=pool, compile_workers=args.jobs)
+        run_parts(parts, evaluators, run, arch=arch, time_s=time_s, on_result=on_result, build=not args.replay,
+                  stats=stats, pool=pool, compile_workers=args.jobs)
 
     if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)

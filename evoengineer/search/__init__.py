@@ -11,6 +11,7 @@ from .loop import (
     CandidateEvaluator,
     RunDir,
     RunFileError,
+    SearchPart,
     SearchStats,
     best_results,
     check_records,
@@ -18,6 +19,7 @@ from .loop import (
     geomean,
     open_study,
     recover_interrupted,
+    run_parts,
     run_search,
     tell,
 )
@@ -37,6 +39,6 @@ __all__ = [
     "DEFAULT_HEARTBEAT_S", "DEFAULT_STORAGE", "GRACE_BEATS", "Ledger", "PHASES", "RunFileError", "link_run", "make_storage",
     "requeue_stale", "storage_error", "study_problem",
     "NOT_RECORDED", "RESULTS", "ReplayCandidates", "RUN_META", "CandidateEvaluator", "ReplayEvaluator", "ReplayResult", "RunDir",
-    "SearchStats", "best_results", "check_records", "counted_trials", "evaluations_to_reach", "geomean", "make_sampler",
-    "open_study", "recover_interrupted", "replay_trial", "run_replay", "run_search", "suggest_config", "tell",
+    "SearchPart", "SearchStats", "best_results", "check_records", "counted_trials", "evaluations_to_reach", "geomean", "make_sampler",
+    "open_study", "recover_interrupted", "replay_trial", "run_parts", "run_replay", "run_search", "suggest_config", "tell",
 ]

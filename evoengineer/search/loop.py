@@ -32,6 +32,7 @@ from ..kernels import StaticReport, build_config_job
 from ..space import Config, Space, path_component
 from . import optuna_internals as internals
 from .ledger import Ledger
+from .partition import narrow_evaluator
 from .strategies import make_sampler, suggest_config
 from .study import (
     DEFAULT_HEARTBEAT_S,
@@ -438,13 +439,15 @@ class _Build:
 
 @dataclass
 class _Candidate:
-    """An asked trial on its way to a device: its configuration, build and budget slot."""
+    """An asked trial on its way to a device: its configuration, build and budget slot, and the
+    search (partition) that asked it."""
 
     trial: optuna.Trial
     config: Config
     future: _Build | None
     slot: int
     strategy_s: float
+    search: "_Search | None" = None
 
 
 class _Ready:
@@ -495,8 +498,9 @@ class _Lanes:
     """One thread per evaluator (one per device): take the next built candidate, evaluate it,
     hand the result back. Nothing here touches the study."""
 
-    def __init__(self, evaluators: Sequence[CandidateEvaluator]) -> None:
+    def __init__(self, evaluators: Sequence[CandidateEvaluator], narrow: Callable[[Any, Space], None] | None = None) -> None:
         self.ready = _Ready()
+        self.narrow = narrow  # points an evaluator at a candidate's partition (partitions searched side by side)
         self.done: queue.Queue[tuple[_Candidate, EvalResult | BaseException, StaticReport | None]] = queue.Queue()
         self.idle_s = 0.0
         self._lock = threading.Lock()
@@ -513,6 +517,7 @@ class _Lanes:
                 warm()  # start the GPU worker (torch import, CUDA context) while the first candidates compile
             except Exception:  # noqa: BLE001 - a worker that cannot start fails its first evaluation, with a status
                 pass
+        narrowed_to: Space | None = None
         while True:
             candidate, idle_s, building_s = self.ready.get()
             with self._lock:
@@ -521,6 +526,10 @@ class _Lanes:
                 return
             report = None
             try:
+                space = candidate.search.space if candidate.search is not None else None
+                if self.narrow is not None and space is not None and space is not narrowed_to:
+                    self.narrow(evaluator, space)
+                    narrowed_to = space
                 started = time.perf_counter()
                 report = candidate.future.result() if candidate.future is not None else None
                 compile_s = building_s + time.perf_counter() - started
@@ -562,7 +571,8 @@ class _Search:
         self.heartbeat = Heartbeat(study)
         self.name = run.name
         self.in_flight: dict[int, _Candidate] = {}  # trial id -> candidate
-        self.full = len(self.ledger.slots()) >= budget  # every budget slot is taken
+        self.taken = len(self.ledger.slots())  # budget slots taken (by any search), as this one last saw them
+        self.full = self.taken >= budget  # every budget slot is taken
         self.exhausted = False  # no configuration is left to propose
         self.seen = {t.user_attrs.get("config_key") for t in study.get_trials(deepcopy=False, states=_FINISHED)
                      if t.user_attrs.get("status") in STATUSES}
@@ -649,13 +659,14 @@ class _Search:
             self._drop(trial, "duplicate", slot=None if retried else slot)
             return None
         self._repeats = 0
+        self.taken += 1
         self.seen.add(config.key())
         future = None
         if self.build and pool is not None:
             future = _Build(config, self.arch, tuple(
                 pool.submit(build_config_job, (self.space.template, config, (variant,), self.arch, self.space.target.smem_per_block))
                 for variant in self.space.variants))
-        candidate = _Candidate(trial, config, future, slot, time.perf_counter() - started)
+        candidate = _Candidate(trial, config, future, slot, time.perf_counter() - started, self)
         self.in_flight[trial_id] = candidate
         return candidate
 
@@ -664,6 +675,7 @@ class _Search:
         if candidate.future is not None:
             candidate.future.cancel()
         self.in_flight.pop(internals.trial_id(candidate.trial), None)
+        self.taken -= 1
         self.seen.discard(candidate.config.key())
         self.ledger.release_config(candidate.config.key())
         self._drop(candidate.trial, "cancelled", slot=candidate.slot)
@@ -706,7 +718,8 @@ class _Search:
             return False
         if self.full and time.monotonic() - self._probed > (self.heartbeat.interval or 1.0):
             self._probed = time.monotonic()  # another search may have given a slot back
-            self.full = len(self.ledger.slots()) >= self.budget
+            self.taken = len(self.ledger.slots())
+            self.full = self.taken >= self.budget
         if not self.full:
             return True
         if self._maybe_queued or time.monotonic() - self._queue_probed > QUEUE_PROBE_S:
@@ -716,6 +729,10 @@ class _Search:
 
     def queued(self) -> bool:
         return waiting(self.study)
+
+    def progress(self) -> float:
+        """The share of its budget this search has taken: the loop asks the least advanced first."""
+        return self.taken / max(1, self.budget)
 
     def check_stale(self, force: bool = False) -> None:
         """Re-queue dead searches' trials (at most once per heartbeat interval)."""
@@ -753,6 +770,17 @@ class _Search:
         return any(now - self._dead_since.get(i, now) <= 2 * grace for i in running)
 
 
+@dataclass(frozen=True)
+class SearchPart:
+    """One partition of a search as the loop runs it: its space (narrowed to its cases), its
+    study, its share of the budget and its name (``None``: a search of one part)."""
+
+    space: Space
+    study: optuna.Study
+    trials: int
+    name: str | None = None
+
+
 def run_search(
     space: Space,
     evaluator: CandidateEvaluator | Sequence[CandidateEvaluator],
@@ -761,38 +789,55 @@ def run_search(
     *,
     arch: str,
     trials: int,
+    partition: str | None = None,
+    **options: Any,
+) -> SearchStats:
+    """``run_parts`` of one part: ``space`` searched in ``study`` for ``trials`` evaluations."""
+    return run_parts([SearchPart(space, study, trials, partition)], evaluator, run, arch=arch, **options)
+
+
+def run_parts(
+    parts: Sequence[SearchPart],
+    evaluator: CandidateEvaluator | Sequence[CandidateEvaluator],
+    run: RunDir,
+    *,
+    arch: str,
     time_s: float | None = None,
     prefetch: int | None = None,
-    on_result: Callable[[EvalResult, SearchStats], None] | None = None,
+    on_result: Callable[[EvalResult, SearchStats, str | None], None] | None = None,
     compile_workers: int | None = None,
     build: bool = True,
-    partition: str | None = None,
     stats: SearchStats | None = None,
     pool: ProcessPoolExecutor | None = None,
 ) -> SearchStats:
-    """Evaluate until ``trials`` evaluations are recorded in the study (or time runs out).
+    """Evaluate until each part's ``trials`` evaluations are recorded in its study (or time
+    runs out).
 
     ``evaluator`` is one evaluator or one per device; each device gets a lane (a thread)
-    that evaluates one candidate after another. This thread asks the strategy ahead (up
+    that evaluates one candidate after another. This thread asks the strategies ahead (up
     to ``prefetch`` candidates beyond one per device), compiles them in parallel processes
-    while the devices work, and tells the study as results come back. The budget is
-    counted in budget slots of the study's ledger, so every search sharing the study stops
-    at exactly ``trials`` evaluations; a configuration is never evaluated twice.
+    while the devices work, and tells the studies as results come back. The budget is
+    counted in budget slots of each study's ledger, so every search sharing a study stops
+    at exactly its ``trials`` evaluations; a configuration is never evaluated twice.
 
-    ``partition``: the search partition ``space`` and ``study`` are (``search.partition``),
-    whose name tags the records; ``stats``: a search's statistics to add to (one per search
-    over its partitions), its clock going on; ``pool``: the compile processes to use
-    (``compile_pool``: one for every partition, started before the search; left running),
-    else the loop starts its own.
+    The parts are searched side by side: each ask goes to the part that has taken the least of
+    its budget, and a lane points its evaluator at each candidate's part
+    (``partition.narrow_evaluator``), so that one part's long evaluations cover another's
+    compiles. Each part keeps its own strategy, study and budget; its name tags its records.
+    ``on_result(result, stats, part name)`` follows each recorded evaluation; ``stats``: a
+    search's statistics to add to, its clock going on; ``pool``: the compile processes to use
+    (``compile_pool``, started before the search; left running), else the loop starts its own.
     """
     evaluators = list(evaluator) if isinstance(evaluator, (list, tuple)) else [evaluator]
     workers = compile_workers or max(1, (os.cpu_count() or 2) - 1)
     if prefetch is None:
         prefetch = workers + len(evaluators) if build else len(evaluators)
     depth = len(evaluators) + max(0, prefetch)
-    valid = getattr(study.sampler, "valid", None)  # a SpaceSampler enumerates the space once, before the clock starts
-    search = _Search(space, run, study, min(trials, len(valid) if valid is not None else space.valid_size()), build, arch,
-                     partition)
+    searches = []
+    for part in parts:
+        valid = getattr(part.study.sampler, "valid", None)  # a SpaceSampler enumerates the space once, before the clock starts
+        budget = min(part.trials, len(valid) if valid is not None else part.space.valid_size())
+        searches.append(_Search(part.space, run, part.study, budget, build, arch, part.name))
     if stats is None:
         stats = SearchStats(devices=len(evaluators))
     began = stats.elapsed_s
@@ -805,29 +850,53 @@ def run_search(
         pool = None
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(min(switch_interval, SWITCH_INTERVAL_S))
-    lanes = _Lanes(evaluators)
-    proposer = _Proposer(study.sampler, study, len(evaluators))
+    if len(searches) > 1:
+        for ev in evaluators:
+            narrow_evaluator(ev, searches[0].space)
+    lanes = _Lanes(evaluators, narrow=narrow_evaluator if len(searches) > 1 else None)
+    proposers = [_Proposer(s.study.sampler, s.study, len(evaluators)) for s in searches]
+    done: set[int] = set()  # indices of the searches that have finished
     failure: BaseException | None = None
     try:
-        while True:
+        while len(done) < len(searches):
             out_of_time = time_s is not None and stats.elapsed_s - began >= time_s
+            live = [i for i in range(len(searches)) if i not in done]
+            stopped: set[int] = set()  # the live searches that cannot ask this round
             if out_of_time:
                 for candidate in lanes.take_back():
-                    search.cancel(candidate)
+                    candidate.search.cancel(candidate)  # type: ignore[union-attr]
+                stopped = set(live)
             else:
-                search.check_stale()
-                while len(search.in_flight) < depth and search.may_ask():
-                    candidate = search.ask(pool)
-                    if candidate is None:
-                        break  # no slot, nothing new, or another search took the queued trial: next round
-                    lanes.ready.put(candidate)
-                if search.may_ask():
-                    proposer.prefetch()
-            if not search.in_flight:
+                for i in live:
+                    searches[i].check_stale()
+                asking = [i for i in live if searches[i].may_ask()]
+                stopped = set(live) - set(asking)
+                while asking and sum(len(s.in_flight) for s in searches) < depth:
+                    i = min(asking, key=lambda k: (searches[k].progress(), len(searches[k].in_flight)))
+                    candidate = searches[i].ask(pool)
+                    if candidate is not None:
+                        lanes.ready.put(candidate)
+                    if candidate is None or not searches[i].may_ask():
+                        # no slot, nothing new, or another search took the queued trial: next round
+                        asking.remove(i)
+                        stopped.add(i)
+                for i in live:
+                    if i not in stopped:
+                        proposers[i].prefetch()
+            waiting = []
+            for i in live:
+                search = searches[i]
+                if search.in_flight or i not in stopped:
+                    continue
                 if out_of_time or search.exhausted or not search.others_running():
-                    break
-                time.sleep(min(1.0, search.heartbeat.interval or 1.0))  # wait for other searches' last trials
-                search.check_stale(force=True)
+                    done.add(i)
+                else:
+                    waiting.append(search)  # for other searches' last trials on its study
+            if not any(s.in_flight for s in searches):
+                if waiting:
+                    time.sleep(min(1.0, min(s.heartbeat.interval or 1.0 for s in waiting)))
+                    for search in waiting:
+                        search.check_stale(force=True)
                 continue
             try:
                 candidate, result, report = lanes.done.get(timeout=0.5)
@@ -836,15 +905,19 @@ def run_search(
             if isinstance(result, BaseException):
                 failure = result
                 break
+            search = candidate.search
+            assert search is not None
             if search.record(candidate, result, report, stats) and on_result:
-                on_result(result, stats)
+                on_result(result, stats, search.partition)
     finally:
         stats.finished = time.perf_counter()
-        proposer.close()
+        for proposer in proposers:
+            proposer.close()
         # after a failure or an interrupt, trials under way stay RUNNING: resume (or another
         # search, once their heartbeats stop) re-queues them
-        lanes.close(wait=failure is None and not search.in_flight)
-        search.heartbeat.close()
+        lanes.close(wait=failure is None and not any(s.in_flight for s in searches))
+        for search in searches:
+            search.heartbeat.close()
         if own_pool and pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         sys.setswitchinterval(switch_interval)

@@ -18,8 +18,9 @@ loses to a compromise. So a search by default partitions the space's cases by
 * ``none``: one geometric mean over every case (the search before partitions).
 
 Budget: ``--trials`` split evenly over the partitions, each at most its valid-set size, what
-one cannot use shared evenly by the others (earlier partitions take a remainder); ``--time``
-split evenly over the partitions still to run. Every partition's records land in the run's
+one cannot use shared evenly by the others (earlier partitions take a remainder); the
+partitions are searched side by side (``loop.run_parts``) within one ``--time``. Every
+partition's records land in the run's
 ``results.jsonl`` tagged with its name, so ``export`` picks each case's winner among the
 records that measured it, as from any run.
 """
