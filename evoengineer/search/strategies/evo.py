@@ -23,7 +23,8 @@ a random configuration instead.
 
 In batches (``propose_batch``, k proposals for k free devices) the process is fitted once:
 each later proposal of the batch refits it with the same length scale and noise, the earlier
-ones pending at the successes' mean (a constant liar), so that the batch spreads out.
+ones pending at the mean the process predicts for them (a kriging believer), so that the
+batch spreads out.
 
 A proposal's cost does not grow with the history: the finished trials come from the history
 reader's log, each turned into rows of the enumerated space once (``_Tally``); the process
@@ -209,7 +210,7 @@ class EvoSampler(SpaceSampler):
 
     def propose_batch(self, study: Study, trial: FrozenTrial | None, history: History, k: int) -> list[Proposal]:
         """``k`` proposals from one model fit: the later ones refit the process with the same
-        length scale and noise, the earlier ones pending at the successes' mean (constant liar)."""
+        length scale and noise, the earlier ones pending at their predicted mean (a believer)."""
         self._batch_fits = 0
         try:
             return super().propose_batch(study, trial, history, k)

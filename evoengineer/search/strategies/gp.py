@@ -5,8 +5,10 @@ adjacent values are one step apart), a categorical one one-hot, scaled so that t
 values are one step apart; parameters with one value are left out. The process models the
 log objective, standardised, with an isotropic Matern 5/2 kernel; its length scale and noise
 are those of a small grid that maximise the marginal likelihood (the signal variance is
-profiled out). A configuration still being evaluated (asked ahead by another worker) counts
-as the mean of the successes, so that the next proposal looks elsewhere (a constant liar).
+profiled out). A configuration still being evaluated (asked ahead, or by another worker)
+counts as what the evaluated ones alone predict for it (a kriging believer): the process's
+mean there stays, its uncertainty shrinks, so the next proposal looks elsewhere. The length
+scale and noise come from the evaluated configurations alone.
 
 Failed configurations stay out of the regression: the fastest kernels often lie next to the
 ones that fail (too many registers, too much shared memory), and a failure made to look slow
@@ -112,10 +114,14 @@ class GaussianProcess:
         (a batch's later proposals: the same data plus fantasised pending rows)."""
         logs = np.log(np.asarray(objectives, dtype=float))
         rows, ys = [ok], [logs]
-        self.best = float(logs.min()) if len(logs) else math.inf
         if pending is not None and len(pending) and len(logs):
+            # a kriging believer: each pending row at the mean the evaluated rows alone predict
+            # for it, under their own length scale and noise
+            self.fit(ok, objectives, keep_hyperparameters=keep_hyperparameters)
             rows.append(pending)
-            ys.append(np.full(len(pending), float(logs.mean())))
+            ys.append(self.predict(pending)[0])
+            keep_hyperparameters = True
+        self.best = float(logs.min()) if len(logs) else math.inf
         x, y = np.vstack(rows), np.concatenate(ys)
         if len(y) > self.max_points:  # the best half, and the rest evenly over the ranking
             order = np.argsort(y, kind="stable")
