@@ -162,23 +162,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if unsupported:
         raise UsageError(unsupported)
     _quiet_optuna(args.verbose)
-    replay_path = _replay_path(args.replay) if args.replay else None
-    replay: ReplayEvaluator | None = None
-    if replay_path is not None:
-        try:
-            replay = ReplayEvaluator(replay_path)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise UsageError(f"--replay: {replay_path}: not a recording ({exc})") from None
-        space = _replay_space(args, replay_path, replay)
-    elif not args.space:
-        raise UsageError("--space: required (a YAML path or a built-in name; `evoengineer spaces` lists them), "
-                         "or --replay demo to replay a recording without a GPU")
-    else:
-        space = load_space(args.space)
-    if space.recorded:  # known only by its recording: search it by replay
-        if replay is None:
-            raise UsageError(f"--space: {args.space} is a recorded problem (problem.kind: recorded); search it with --replay RECORDING")
-        space = replay.narrow(space)
+    space, replay = _search_space(args)
     devices = _parse_devices(args)
     console = Console(highlight=False, stderr=args.json)  # with --json, stdout holds only the JSON
     time_s = args.time if args.time is not None else space.search.time_s
@@ -269,17 +253,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             for part in partitions:
                 build_ahead(pool, part.space, opening(part.space), arch)
         if not args.resume:
-            if args.run_dir:
-                path = Path(args.run_dir)
-                created = None if path.exists() else path
-                with writing(path):
-                    path.mkdir(parents=True, exist_ok=True)
-                    (path / "sources").mkdir(exist_ok=True)
-                    (path / "space.yaml").write_text(space.source_text())
-                run = RunDir(path)
-            else:
-                run = RunDir.create(DEFAULT_RUNS, space)
-                created = run.path
+            run, created = _new_run(args, space)
             recorded_storage = _recorded_storage(args.storage) if args.storage else DEFAULT_STORAGE
             storage = run.storage_url(recorded_storage)
             meta = {"space": space.name, "space_path": str(space.path), "strategy": strategy, "seed": seed,
@@ -306,28 +280,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             shutil.rmtree(created, ignore_errors=True)  # no stub run left behind
         raise
 
-    heartbeat = args.heartbeat or meta.get("heartbeat_s") or DEFAULT_HEARTBEAT_S
-    meta["heartbeat_s"] = heartbeat
-    studies = []  # one per partition, all in the run's storage
-    for part in partitions:
-        study = open_study(part.space, run, strategy=strategy, seed=seed, storage=storage,
-                           study_name=part.study_name(meta["study_name"]), resume=bool(args.resume or args.study),
-                           heartbeat_s=heartbeat)
-        link_run(study, meta["run_id"], run.name)
-        studies.append(study)
-    if not meta.get("study_linked"):
-        meta["study_linked"] = True
-        run.write_meta(meta)
-    if args.resume:
-        recovered = sum(recover_interrupted(study, run, part.space, part.name) for part, study in zip(partitions, studies))
-        if recovered:
-            console.print(f"resumed: {recovered} interrupted evaluation(s) recovered")
-    best_sdpa = fastest_sdpa(baseline)
-
-    def sdpa_geomean(part: Partition) -> float | None:
-        times = [best_sdpa[label][1] for label in part.labels if label in best_sdpa]
-        return geomean(times) if times and len(times) == len(part.labels) else None
-
+    studies = _open_studies(args, run, meta, partitions, strategy, seed, storage, console)
     on = f"{len(devices)} × {info.get('gpu')} (devices {','.join(map(str, devices))})" if len(devices) > 1 else info.get("gpu")
     # paths and commands on lines of their own, never wrapped, so that they copy whole
     console.print(f"run [bold]{run.path}[/]", soft_wrap=True)
@@ -338,36 +291,11 @@ def cmd_search(args: argparse.Namespace) -> int:
                       + ", ".join(f"{p.name} {p.trials}" for p in partitions), soft_wrap=True)
     console.print(f"dashboard: optuna-dashboard {storage}", soft_wrap=True)
 
-    total = sum(p.trials for p in partitions)
-    done_before = len(run.results())
     stats = SearchStats(devices=len(evaluators))
-    parts = [SearchPart(part.space, study, part.trials, part.name) for part, study in zip(partitions, studies)]
-    references = {part.name: sdpa_geomean(part) for part in partitions}
-    best_us: dict[str | None, float] = {}
-
-    def best_line() -> str:
-        if len(partitions) == 1:
-            best = best_us.get(partitions[0].name)
-            if best is None:
-                return ""
-            reference = references[partitions[0].name]
-            return f"best {best:.2f} µs" + (f" ({reference / best:.2f}× fastest SDPA)" if reference else "")
-        # several partitions side by side: each one's best against the fastest SDPA
-        return " ".join(f"{name} " + (f"{references[name] / best_us[name]:.2f}×" if references[name] else f"{best_us[name]:.1f} µs")
-                        for name in (p.name for p in partitions) if name in best_us)
-
-    with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[best]}"), TextColumn("{task.fields[counts]}"), console=console,
-                  disable=args.quiet or args.json) as progress:
-        task = progress.add_task("search", total=total, completed=min(done_before, total), best="", counts="")
-
-        def on_result(result: EvalResult, stats: SearchStats, part: str | None) -> None:
-            if result.ok and (part not in best_us or result.objective_us < best_us[part]):
-                best_us[part] = result.objective_us
-            counts = " ".join(f"{k} {v}" for k, v in stats.counts.items() if v)
-            progress.update(task, advance=1, best=best_line(), counts=counts)
-
-        run_parts(parts, evaluators, run, arch=arch, time_s=time_s, on_result=on_result, build=not args.replay,
+    with _SearchProgress(partitions, baseline, console, done=len(run.results()),
+                         disable=args.quiet or args.json) as progress:
+        run_parts([SearchPart(part.space, study, part.trials, part.name) for part, study in zip(partitions, studies)],
+                  evaluators, run, arch=arch, time_s=time_s, on_result=progress.on_result, build=not args.replay,
                   stats=stats, pool=pool, compile_workers=args.jobs)
 
     if pool is not None:
@@ -382,7 +310,121 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"run": str(run.path), "storage": storage, "study": meta["study_name"], "summary": summary,
                           "leaderboard": board["entries"]}))
-        return EXIT_OK if board["entries"] else EXIT_FAILED
+    else:
+        _print_outcome(args, console, run, storage, summary, board, several=len(partitions) > 1)
+    return EXIT_OK if board["entries"] else EXIT_FAILED
+
+
+def _search_space(args: argparse.Namespace) -> tuple[Space, ReplayEvaluator | None]:
+    """The space to search and, with ``--replay``, the recording that answers for the GPU."""
+    replay_path = _replay_path(args.replay) if args.replay else None
+    replay: ReplayEvaluator | None = None
+    if replay_path is not None:
+        try:
+            replay = ReplayEvaluator(replay_path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"--replay: {replay_path}: not a recording ({exc})") from None
+        space = _replay_space(args, replay_path, replay)
+    elif not args.space:
+        raise UsageError("--space: required (a YAML path or a built-in name; `evoengineer spaces` lists them), "
+                         "or --replay demo to replay a recording without a GPU")
+    else:
+        space = load_space(args.space)
+    if space.recorded:  # known only by its recording: search it by replay
+        if replay is None:
+            raise UsageError(f"--space: {args.space} is a recorded problem (problem.kind: recorded); search it with --replay RECORDING")
+        space = replay.narrow(space)
+    return space, replay
+
+
+def _open_studies(args: argparse.Namespace, run: RunDir, meta: dict, partitions: list[Partition], strategy: str,
+                  seed: int, storage: str, console: Console) -> list[Any]:
+    """One study per partition, all in the run's storage, linked to the run; on resume, the
+    evaluations a killed search left under way recovered."""
+    heartbeat = args.heartbeat or meta.get("heartbeat_s") or DEFAULT_HEARTBEAT_S
+    meta["heartbeat_s"] = heartbeat
+    studies = []
+    for part in partitions:
+        study = open_study(part.space, run, strategy=strategy, seed=seed, storage=storage,
+                           study_name=part.study_name(meta["study_name"]), resume=bool(args.resume or args.study),
+                           heartbeat_s=heartbeat)
+        link_run(study, meta["run_id"], run.name)
+        studies.append(study)
+    if not meta.get("study_linked"):
+        meta["study_linked"] = True
+        run.write_meta(meta)
+    if args.resume:
+        recovered = sum(recover_interrupted(study, run, part.space, part.name) for part, study in zip(partitions, studies))
+        if recovered:
+            console.print(f"resumed: {recovered} interrupted evaluation(s) recovered")
+    return studies
+
+
+def _new_run(args: argparse.Namespace, space: Space) -> tuple[RunDir, Path | None]:
+    """A new run directory (``--run-dir`` or one under runs/) with the space it searches, and the
+    directory this command made (removed again if the search cannot start)."""
+    if not args.run_dir:
+        run = RunDir.create(DEFAULT_RUNS, space)
+        return run, run.path
+    path = Path(args.run_dir)
+    created = None if path.exists() else path
+    with writing(path):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "sources").mkdir(exist_ok=True)
+        (path / "space.yaml").write_text(space.source_text())
+    return RunDir(path), created
+
+
+class _SearchProgress:
+    """The search's progress bar: evaluations, and each partition's best against the fastest
+    SDPA backend's time (geometric means over its cases)."""
+
+    def __init__(self, partitions: list[Partition], baseline: dict, console: Console, *, done: int, disable: bool) -> None:
+        best_sdpa = fastest_sdpa(baseline)
+        self.partitions = partitions
+        self.references: dict[str | None, float | None] = {}
+        for part in partitions:
+            times = [best_sdpa[label][1] for label in part.labels if label in best_sdpa]
+            self.references[part.name] = geomean(times) if times and len(times) == len(part.labels) else None
+        self.best_us: dict[str | None, float] = {}
+        total = sum(p.trials for p in partitions)
+        self.progress = Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("{task.fields[best]}"), TextColumn("{task.fields[counts]}"), console=console,
+                                 disable=disable)
+        self.task = self.progress.add_task("search", total=total, completed=min(done, total), best="", counts="")
+
+    def __enter__(self) -> "_SearchProgress":
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(*exc)
+
+    def best_line(self) -> str:
+        if len(self.partitions) == 1:
+            name = self.partitions[0].name
+            best, reference = self.best_us.get(name), self.references[name]
+            if best is None:
+                return ""
+            return f"best {best:.2f} µs" + (f" ({reference / best:.2f}× fastest SDPA)" if reference else "")
+        # several partitions side by side: each one's best against the fastest SDPA
+        shown = []
+        for name in (p.name for p in self.partitions):
+            if name in self.best_us:
+                reference = self.references[name]
+                shown.append(f"{name} " + (f"{reference / self.best_us[name]:.2f}×" if reference else f"{self.best_us[name]:.1f} µs"))
+        return " ".join(shown)
+
+    def on_result(self, result: EvalResult, stats: SearchStats, part: str | None) -> None:
+        if result.ok and (part not in self.best_us or result.objective_us < self.best_us[part]):
+            self.best_us[part] = result.objective_us
+        counts = " ".join(f"{k} {v}" for k, v in stats.counts.items() if v)
+        self.progress.update(self.task, advance=1, best=self.best_line(), counts=counts)
+
+
+def _print_outcome(args: argparse.Namespace, console: Console, run: RunDir, storage: str, summary: dict, board: dict,
+                   several: bool) -> None:
+    """The summary, the leaderboard and the next commands, after a search."""
     from ..results import leaderboard_grid, print_grid, profile_grid, search_summary_grid
 
     print_grid(console, search_summary_grid(summary), wide=args.wide)
@@ -391,13 +433,12 @@ def cmd_search(args: argparse.Namespace) -> int:
     if board["entries"]:
         print_grid(console, leaderboard_grid(board), wide=args.wide)
         next_steps = [f"leaderboard: evoengineer leaderboard {run.path}", f"report:      evoengineer report {run.path}",
-                      f"export:      evoengineer export {run.path} --out best/" if len(partitions) > 1 else
+                      f"export:      evoengineer export {run.path} --out best/" if several else
                       f"export:      evoengineer export {run.path} --rank 1 --out best/"]
     else:
         next_steps = [f"no configuration passed: each one's status and reason are in {run.path / 'results.jsonl'}"]
     for line in [f"run directory: {run.path}", *next_steps, f"dashboard:   optuna-dashboard {storage}"]:
         console.print(line, soft_wrap=True, markup=False)
-    return EXIT_OK if board["entries"] else EXIT_FAILED
 
 
 def _start_gpus(space: Space, devices: list[int], seed: int | None, console: Console) -> tuple[list[Any], dict, str, Space]:
