@@ -327,9 +327,71 @@ def tell(study: optuna.Study, trial: optuna.Trial, result: EvalResult, unless: s
     """Finish ``trial`` with ``result`` (one transaction on an RDB storage); with ``unless`` (a
     study system attribute's key), nothing when the study holds it (then False)."""
     attrs = {"status": result.status, "config_key": result.key, **({"reason": result.reason[:500]} if result.reason else {})}
+    timed = {c["label"]: c["time"]["median_us"] for c in result.cases if isinstance(c.get("time"), dict)
+             and c["time"].get("median_us") is not None}
+    if result.ok and timed:
+        attrs[CASE_TIMES_KEY] = timed  # the racing table of other searches on the study reads them
     if result.ok:
         return finish_trial(study, trial, optuna.trial.TrialState.COMPLETE, result.objective_us, attrs, unless)
     return finish_trial(study, trial, optuna.trial.TrialState.FAIL, None, attrs, unless)
+
+
+CASE_TIMES_KEY = "case_us"
+"""The user attribute of a successful trial holding its timed cases' median µs by label."""
+
+
+class RacingBests:
+    """The best median per case timed by any search on a study, read into the racing table the
+    lanes of this search share (``Evaluator.best_case_us``): a candidate far behind what another
+    search (another process or host) has already timed is cut as early as one behind this
+    search's own. Read incrementally, at most every ``interval`` seconds."""
+
+    def __init__(self, study: optuna.Study, table: dict[str, float], interval: float = 1.0) -> None:
+        self.study, self.table, self.interval = study, table, interval
+        self._after = 0  # the last attribute row read (RDB storages)
+        self._read = -math.inf
+
+    def refresh(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._read < self.interval:
+            return
+        self._read = time.monotonic()
+        self._after, bests = case_times_since(self.study, self._after)
+        for label, us in bests.items():
+            if us < self.table.get(label, math.inf):
+                self.table[label] = us
+
+
+def case_times_since(study: optuna.Study, after: int) -> tuple[int, dict[str, float]]:
+    """(the last attribute row read, the best median per case label of the study's successful
+    trials whose case times were written past row ``after``); without an RDB storage, every trial's."""
+    bests: dict[str, float] = {}
+
+    def fold(times: Any) -> None:
+        if isinstance(times, dict):
+            for label, us in times.items():
+                if isinstance(us, (int, float)) and us > 0 and us < bests.get(label, math.inf):
+                    bests[str(label)] = float(us)
+
+    rdb = internals.rdb_backend(study)
+    if rdb is None:
+        for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            fold(trial.user_attrs.get(CASE_TIMES_KEY))
+        return after, bests
+    models = internals.trial_models()
+    attr, trial = models.TrialUserAttributeModel, models.TrialModel
+    with internals.transaction(rdb) as session:
+        rows = (session.query(attr.trial_user_attribute_id, attr.value_json)
+                .join(trial, trial.trial_id == attr.trial_id)
+                .filter(trial.study_id == internals.study_id(study), attr.key == CASE_TIMES_KEY,
+                        attr.trial_user_attribute_id > after)
+                .order_by(attr.trial_user_attribute_id).all())
+    for row_id, value in rows:
+        after = max(after, row_id)
+        try:
+            fold(json.loads(value))
+        except ValueError:
+            continue
+    return after, bests
 
 
 def open_study(space: Space, run: RunDir, *, strategy: str, seed: int | None, storage: str | None,
@@ -855,6 +917,10 @@ def run_parts(
             narrow_evaluator(ev, searches[0].space)
     lanes = _Lanes(evaluators, narrow=narrow_evaluator if len(searches) > 1 else None)
     proposers = [_Proposer(s.study.sampler, s.study, len(evaluators)) for s in searches]
+    table = getattr(evaluators[0], "best_case_us", None)  # the lanes' one racing table (GPU evaluators)
+    racing = [RacingBests(s.study, table) for s in searches] if isinstance(table, dict) else []
+    for bests in racing:
+        bests.refresh(force=True)  # a resumed search, or others on the study, timed these cases already
     done: set[int] = set()  # indices of the searches that have finished
     failure: BaseException | None = None
     try:
@@ -869,6 +935,8 @@ def run_parts(
             else:
                 for i in live:
                     searches[i].check_stale()
+                for bests in racing:
+                    bests.refresh()
                 asking = [i for i in live if searches[i].may_ask()]
                 stopped = set(live) - set(asking)
                 while asking and sum(len(s.in_flight) for s in searches) < depth:
