@@ -725,9 +725,7 @@ class _Search:
         self.seen.add(config.key())
         future = None
         if self.build and pool is not None:
-            future = _Build(config, self.arch, tuple(
-                pool.submit(build_config_job, (self.space.template, config, (variant,), self.arch, self.space.target.smem_per_block))
-                for variant in self.space.variants))
+            future = _Build(config, self.arch, tuple(build_ahead(pool, self.space, [config], self.arch)))
         candidate = _Candidate(trial, config, future, slot, time.perf_counter() - started, self)
         self.in_flight[trial_id] = candidate
         return candidate
@@ -1045,9 +1043,9 @@ def compile_pool(workers: int | None = None) -> ProcessPoolExecutor:
 
 
 def build_ahead(pool: ProcessPoolExecutor, space: Space, configs: Sequence[Config], arch: str) -> list[Future]:
-    """Submit the builds of ``configs`` for every variant of ``space`` (a strategy's opening,
-    while the GPU workers start and SDPA is timed): the compile cache then holds them when the
-    search asks for them, so that no device waits for the first candidates' compiles."""
+    """Submit the builds of ``configs``, one job per variant of ``space`` (a candidate's, or a
+    strategy's opening while the GPU workers start and SDPA is timed: the compile cache then holds
+    them when the search asks for them, so that no device waits for the first compiles)."""
     return [pool.submit(build_config_job, (space.template, config, (variant,), arch, space.target.smem_per_block))
             for config in configs for variant in space.variants]
 
