@@ -1,5 +1,5 @@
 """The backward of an export against SDPA's (cuDNN, flash) and flash-attn-4's, and a small Llama's
-training step with SDPA and with the export.
+training step (eager and under torch.compile) with SDPA and with the export.
 
     python benchmarks/training_vs_sdpa.py --module best/ [--out bench/] [--quick]
 
@@ -30,13 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repetitions", type=int, default=30, help="CUDA-graph samples per measurement (default 30)")
     parser.add_argument("--quick", action="store_true", help="2 rounds, 10 samples, the first shape only, no Llama")
     parser.add_argument("--no-llama", action="store_true", help="skip the Llama training step")
+    parser.add_argument("--llama-only", action="store_true", help="only the Llama training step, eager and compiled")
     args = parser.parse_args(argv)
 
     import torch
 
     module = load_module(args.module)
     rounds, repetitions = (2, 10) if args.quick else (args.rounds, args.repetitions)
-    shapes = SHAPES[:1] if args.quick else SHAPES
+    shapes = [] if args.llama_only else SHAPES[:1] if args.quick else SHAPES
     rows = []
     for dtype_name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         for shape in shapes:
@@ -55,18 +56,21 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.flush()
     for line in summary_lines(rows):
         print(line)
-    llama = None
+    llama: dict[str, dict] = {}
     if not (args.quick or args.no_llama):
-        try:
-            steps = llama_step_times(module, rounds=3, steps=5, dtype=torch.bfloat16)
-            llama = {name: {"median_ms": Summary.of(ms).median_us, "rounds": ms} for name, ms in steps.items() if ms}
-            print("Llama (4 layers, 2048 hidden, B2 S2048, bf16) training step, ms: "
-                  + ", ".join(f"{name} {s['median_ms']:.1f}" for name, s in llama.items()))
-        except ImportError as exc:
-            print(f"Llama step skipped: {exc}")
+        for mode in ("eager", "compiled"):
+            try:
+                steps = llama_step_times(module, rounds=3, steps=5, dtype=torch.bfloat16, compiled=mode == "compiled")
+            except ImportError as exc:
+                print(f"Llama step skipped: {exc}")
+                break
+            llama[mode] = {name: {"median_ms": Summary.of(ms).median_us, "rounds": ms} for name, ms in steps.items() if ms}
+            print(f"Llama (4 layers, 2048 hidden, B2 S2048, bf16) training step, {mode}, ms: "
+                  + ", ".join(f"{name} {s['median_ms']:.1f}" for name, s in llama[mode].items()))
+            sys.stdout.flush()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"rows": rows, "llama_step_ms": llama}, indent=1))
+        (args.out / "results.json").write_text(json.dumps({"rows": rows, "llama_step_ms": llama or None}, indent=1))
     return 0
 
 

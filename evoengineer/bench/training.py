@@ -118,23 +118,32 @@ def summary_lines(rows: Sequence[dict]) -> list[str]:
     return lines
 
 
-def llama_step_times(module: Any, rounds: int, steps: int, dtype: Any) -> dict[str, list[float]]:
-    """Eager milliseconds per training step (forward, backward, AdamW) of a small random Llama
-    with SDPA and with the export (``register_hf``), in interleaved rounds of ``steps`` steps."""
+def llama_step_times(module: Any, rounds: int, steps: int, dtype: Any, compiled: bool = False) -> dict[str, list[float]]:
+    """Milliseconds per training step (forward, backward, AdamW) of a small random Llama with SDPA
+    and with the export (``register_hf``), in interleaved rounds of ``steps`` steps; ``compiled``:
+    each side's model under ``torch.compile`` (one model a side, compiled at its first step)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     name = module.register_hf("evo_bench")
     config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
                          num_attention_heads=16, num_key_value_heads=4, head_dim=128, max_position_embeddings=4096)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to("cuda", dtype)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    ids = torch.randint(0, config.vocab_size, (2, 2048), device="cuda")
+    ids = torch.randint(0, config.vocab_size, (2, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def build(implementation: str) -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to("cuda", dtype)
+        model.set_attn_implementation(implementation)
+        model.train()
+        return (torch.compile(model) if compiled else model), torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    shared = None if compiled else build("sdpa")
+    sides = {implementation: build(implementation) if compiled else shared for implementation in ("sdpa", name)}
 
     def measure(implementation: str) -> float:
-        model.set_attn_implementation(implementation)
+        model, optimizer = sides[implementation]
+        if not compiled:
+            model.set_attn_implementation(implementation)
         for _ in range(2):
             model(ids, labels=ids).loss.backward()
             optimizer.zero_grad(set_to_none=True)
