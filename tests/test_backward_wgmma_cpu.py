@@ -143,3 +143,21 @@ def test_the_producer_takes_the_setmaxnreg_values_of_the_path_rules() -> None:
     for config in (wgmma_config(64, 128, stages=1), wgmma_config(64, 64, producer=1)):
         source = render(BACKWARD_TEMPLATE, config, Variant(64, False, "fp16")).source
         assert "REG_PRODUCER = 0;" in source and "REG_CONSUMER = 0;" in source
+
+
+def test_the_default_search_opens_every_partition_with_its_wgmma_seeds() -> None:
+    """The default backward search (its budget split over the head-dim partitions) evaluates the
+    seeds first, in order: each partition's budget reaches every wgmma seed valid there, the
+    Hopper path ahead of the mma fallbacks."""
+    from evoengineer.search.partition import plan
+    from evoengineer.search.strategies import SAMPLERS
+
+    parts = plan(SPACE, "head-dim", SPACE.search.budget)
+    assert len(parts) == 4
+    for part in parts:
+        opening = [c for c in SAMPLERS["evo"].opening(part.space) if part.space.contains(c)]
+        wgmma = [c for c in opening if c["PATH"] == "wgmma"]
+        assert wgmma and opening[: len(wgmma)] == wgmma and len(wgmma) <= part.trials
+        if part.space.variants[0].head_dim == 64:
+            assert Config(PATH="wgmma", BLOCK_M=128, BLOCK_N=128, CONSUMER_WGS=2, STAGES=2, DQ_MODE="atomic",
+                          PRODUCER=1) in wgmma
