@@ -161,3 +161,32 @@ def test_the_default_search_opens_every_partition_with_its_wgmma_seeds() -> None
         if part.space.variants[0].head_dim == 64:
             assert Config(PATH="wgmma", BLOCK_M=128, BLOCK_N=128, CONSUMER_WGS=2, STAGES=2, DQ_MODE="atomic",
                           PRODUCER=1) in wgmma
+
+
+LSE_FORWARD = Config(PATH="wgmma", BLOCK_M=128, BLOCK_N=128, CONSUMER_WGS=2, INTRA_WG_OVERLAP=1, LOAD="tma", O_TMA=1,
+                     PERSISTENT=1, PINGPONG=0, PRODUCER=1, Q_IN_REGS=1, REG_CONSUMER=240, REG_PRODUCER=24,
+                     SOFTMAX_PIN=3, SPLIT_TAIL=0, STAGES=2)
+
+
+def test_a_wgmma_forward_writes_the_lse_for_the_backward_without_spills() -> None:
+    """WRITE_LSE=1 on the wgmma forward: one workspace float per row (the LSE), the rows' stores
+    to global memory in the SASS, no spills; off, the kernel renders as without the switch; with a
+    tile counter (its workspace) the render refuses."""
+    from evoengineer.kernels.backward_rules import FORWARD_TEMPLATE
+    from evoengineer.kernels.sass import disassemble, nvdisasm, opcodes
+
+    variants = [Variant(d, causal, dtype) for d, causal, dtype in ((64, True, "fp16"), (128, False, "bf16"))]
+    for variant in variants:   # the first line names the configuration
+        assert render(FORWARD_TEMPLATE, LSE_FORWARD.replace(WRITE_LSE=0), variant).source.split("\n", 1)[1] == \
+            render(FORWARD_TEMPLATE, LSE_FORWARD, variant).source.split("\n", 1)[1]
+    with pytest.raises(RenderError, match="WRITE_LSE"):
+        render(FORWARD_TEMPLATE, LSE_FORWARD.replace(PERSISTENT=2, WRITE_LSE=1), variants[0])
+    sources = [render(FORWARD_TEMPLATE, LSE_FORWARD.replace(WRITE_LSE=lse), v) for v in variants for lse in (0, 1)]
+    assert [r.workspace_floats_per_row for r in sources] == [0, 1, 0, 1]
+    results = list(compile_many([r.source for r in sources], "sm_90a", workers=2))
+    assert all(r.ok and r.spill_bytes == 0 for r in results), [r.error or r.log[-300:] for r in results]
+    tool = nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    stores = [sum(n for op, n in opcodes(disassemble(r.cubin_path, tool)).items() if op.startswith("STG")) for r in results]
+    assert stores[1] > stores[0] and stores[3] > stores[2], stores

@@ -4,7 +4,6 @@ tensors (shapes only), torch.library.opcheck, torch.compile's forward and backwa
 deterministic switch and the errors a user sees."""
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_fixtures import load_module, make_run, space_doc
+from run_fixtures import LARGE64, LARGE64_C, LARGE128, MMA, load_module, make_run, space_doc
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from evoengineer.kernels.backward_rules import BACKWARD_CONFIGS, default_config, forward_lse_config
@@ -20,6 +19,7 @@ from evoengineer.results import ExportError, export_runs
 from evoengineer.results.export_backward import backward_choice, parse_backward_option
 from evoengineer.runtime.kernel_file import KernelFileError, read_kernel_file
 from evoengineer.runtime.op import DOUBLE_BACKWARD_ERROR
+from evoengineer.space import Config
 
 VARIANTS = [("fp16", d, c) for d in (64, 128) for c in (False, True)]
 
@@ -72,6 +72,30 @@ def test_an_export_for_another_arch_than_sm_90a_defaults_to_the_mma_backward(tmp
     info = json.loads((tmp_path / "out" / "kernel.json").read_text())["backward"]
     assert {(v["head_dim"], v["fallback"]) for v in info["variants"]} == {(d, default_config(d).key()) for d in (64, 128)}
     assert all(info["configs"][v["fallback"]]["config"]["PATH"] == "mma" for v in info["variants"])
+
+
+PTMA = Config(PATH="wgmma", BLOCK_M=128, BLOCK_N=128, CONSUMER_WGS=2, INTRA_WG_OVERLAP=1, LOAD="tma", O_TMA=1,
+              PERSISTENT=1, PINGPONG=0, PRODUCER=1, Q_IN_REGS=1, REG_CONSUMER=240, REG_PRODUCER=24, SOFTMAX_PIN=3,
+              SPLIT_TAIL=0, STAGES=2)
+"""A persistent wgmma forward: it can write the LSE (its workspace is free)."""
+
+
+def test_the_lse_forward_is_the_exports_own_wgmma_forward_where_it_can_write_the_lse(tmp_path: Path) -> None:
+    counter = PTMA.replace(PERSISTENT=2)   # its workspace is the tile counter: no LSE
+    times = {LARGE64: {PTMA: 140.0, counter: 150.0, MMA: 250.0}, LARGE64_C: {PTMA: 90.0, MMA: 140.0},
+             LARGE128: {counter: 200.0, MMA: 480.0}}
+    export_runs([make_run(tmp_path / "run", times)], tmp_path / "out")
+    info = json.loads((tmp_path / "out" / "kernel.json").read_text())["backward"]
+    # D128's largest case went to the counter kernel: the variant's next choice, the fallback (PTMA)
+    lse = PTMA.replace(WRITE_LSE=1).key()
+    assert {v["forward"] for v in info["variants"]} == {lse} == {forward_lse_config(64, [counter, PTMA]).key()}
+    kernel = next(k for k in info["forward_kernels"] if k["config"] == lse)
+    assert kernel["tensor_maps"] and kernel["workspace_floats_per_row"] == 1
+    data = read_kernel_file(tmp_path / "out" / "kernel.json")   # the runtime reads it back
+    assert data.backward.forward_kernels[("fp16", 128, True, lse)].tensor_maps
+    # no wgmma forward that can write it: the mma one
+    assert forward_lse_config(128, [counter, MMA]) == forward_lse_config(128)
+    assert forward_lse_config(128).get("PATH") == "mma"
 
 
 def test_backward_options_choose_the_configuration_per_head_dim(tmp_path: Path) -> None:

@@ -4,17 +4,19 @@ A backward configuration is a ``Config`` of one of the backward's paths, ``mma``
 parameters, validity and shared memory ``evoengineer.paths.mma_backward`` and ``wgmma_backward`` own
 (``templates/flash_attention_bwd.cu.j2``, ``_attn_bwd_mma.cuh.j2`` and ``_attn_bwd_wgmma.cuh.j2``
 honour them; the CPU tests check both agree). A configuration without PATH is an mma one. The forward
-that feeds it is an ``mma`` forward with ``WRITE_LSE=1`` (``forward_lse_config``).
+that feeds it is a forward with ``WRITE_LSE=1`` (``forward_lse_config``): an export's own wgmma
+forward where it can write the LSE, else an mma one.
 """
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass
-
 from types import ModuleType
+from typing import Sequence
 
 from ..paths import mma_backward as rules
+from ..paths import wgmma as wgmma_path
 from ..paths import wgmma_backward
 from ..space import Config
 from .render import Rendered, parameter_kinds
@@ -171,11 +173,16 @@ def default_config(head_dim: int, *, deterministic_dq: bool = False, hopper: boo
     return BACKWARD_CONFIGS[head_dim][{64: "t128n128", 128: "t64n128"}[head_dim]]
 
 
-def forward_lse_config(head_dim: int) -> Config:
-    """An mma forward that also writes the row log-sum-exp (``WRITE_LSE=1``): 128 x 64 tiles, 8 warps
-    (no spills for D64 and D128 on sm_80 and sm_90)."""
+def forward_lse_config(head_dim: int, candidates: Sequence[Config] = ()) -> Config:
+    """The forward that also writes the row log-sum-exp (``WRITE_LSE=1``) for a backward: the first
+    of ``candidates`` (an export's forward configurations of the variant, best first) on the wgmma
+    path that can write it (``paths.wgmma.writes_lse``), else an mma forward of 128 x 64 tiles and
+    8 warps (no spills for D64 and D128 on sm_80 and sm_90)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim}: the backward supports {', '.join(map(str, HEAD_DIMS))}")
+    for config in candidates:
+        if wgmma_path.writes_lse(config):
+            return config.replace(WRITE_LSE=1)
     return Config(PATH="mma", BLOCK_M=128, BLOCK_N=64, WARPS=8, VEC=8, STAGES=2, SMEM_LAYOUT="swizzle",
                   Q_IN_REGS=1, P_IN_REGS=1, SPLITS=1, KV_GROUPS=1, WRITE_LSE=1)
 

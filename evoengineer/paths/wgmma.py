@@ -24,6 +24,13 @@ REGISTER_FILE = 65536
 """32-bit registers per multiprocessor; a thread gets at most 255."""
 
 
+def writes_lse(config: Scope) -> bool:
+    """Whether the configuration can also write the rows' log-sum-exp (``WRITE_LSE=1``, the
+    forward a backward needs): its workspace then holds the LSE, so not with a tile counter
+    (``PERSISTENT=2``, which ``SPLIT_TAIL`` needs), whose workspace is the counter."""
+    return config.get("PATH") == NAME and config.get("PERSISTENT", DEFAULTS["PERSISTENT"]) != 2
+
+
 def threads(c: Scope) -> int:
     """128 per consumer warpgroup, and 128 for the producer."""
     return 128 * (c["CONSUMER_WGS"] + c["PRODUCER"])

@@ -303,9 +303,6 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
         path = out / f"{module_name}_{spec.filename_stem}.cu"
         path.write_text(spec.rendered.source)
         written.append(path)
-    hopper = bool(per.runs) and all(run.space.target.arch == "sm_90a" for run in per.runs)
-    backward_info, backward_files = _backward(out, module_name, specs, replace(backward or BackwardChoice(), hopper=hopper))
-    written += backward_files
     have: dict[tuple[str, int, bool], set[str]] = {(s.dtype, s.variant.head_dim, s.variant.causal): set() for s in specs}
     for s in specs:
         if not getattr(s.variant, "features", ()):  # the dispatch table names configurations with a plain kernel
@@ -315,6 +312,12 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
         cases = [w for w in per.winners if w.shape.variant_key == vkey and w.config in ids]
         fallback = per.fallback if per.fallback in ids else (cases[0].config if cases else sorted(ids)[0])
         dispatch[vkey] = (fallback, cases)
+    hopper = bool(per.runs) and all(run.space.target.arch == "sm_90a" for run in per.runs)
+    forwards = {vkey: [Config(per.configs[cid].config) for cid in _largest_first(fallback, cases)]
+                for vkey, (fallback, cases) in dispatch.items()} if hopper else {}
+    backward_info, backward_files = _backward(out, module_name, specs, replace(backward or BackwardChoice(), hopper=hopper),
+                                              forwards)
+    written += backward_files
     used = sorted({s.config_id for s in specs})
     fingerprint = json.dumps([sorted((s.key, s.rendered.source_hash) for s in specs),
                               sorted((k, v[0], [(w.shape.batch * w.shape.heads, w.shape.seq_q, w.shape.seq_k,
@@ -368,9 +371,19 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
     return [package, *written, info_path]
 
 
-def _backward(out: Path, module_name: str, specs: list[KernelSpec], choice: BackwardChoice) -> tuple[dict | None, list[Path]]:
+def _largest_first(fallback: str, cases: list[Any]) -> list[str]:
+    """A variant's forward configurations, the winner of its largest measured case first (what a
+    training step's calls are most like), its fallback last."""
+    by_size = sorted(cases, key=lambda w: -w.shape.batch * w.shape.heads * w.shape.seq_q * w.shape.seq_k)
+    return list(dict.fromkeys([*(w.config for w in by_size), fallback]))
+
+
+def _backward(out: Path, module_name: str, specs: list[KernelSpec], choice: BackwardChoice,
+              forwards: dict[tuple[str, int, bool], list[Config]]) -> tuple[dict | None, list[Path]]:
     """kernel.json's ``backward`` section (with its ``notes``) and the sources it names, written
-    into ``out``; (None, []) where the choice is no backward or no variant has one."""
+    into ``out``; (None, []) where the choice is no backward or no variant has one. ``forwards``:
+    each variant's forward configurations, best first, where the LSE forward may be one of them
+    (``forward_lse_config``)."""
     from ..kernels import RenderError, render
     from ..kernels.backward_rules import BACKWARD_TEMPLATE, FORWARD_TEMPLATE, HEAD_DIMS, forward_lse_config
 
@@ -387,7 +400,7 @@ def _backward(out: Path, module_name: str, specs: list[KernelSpec], choice: Back
         if head_dim not in HEAD_DIMS:
             notes.append(f"no backward for {label}: the backward supports head dims {', '.join(map(str, HEAD_DIMS))}")
             continue
-        lse_config = forward_lse_config(head_dim)
+        lse_config = forward_lse_config(head_dim, forwards.get((dtype, head_dim, causal), ()))
         try:
             lse = KernelSpec(lse_config.key(), dtype, variant, render(FORWARD_TEMPLATE, lse_config, variant), [])
         except RenderError as exc:

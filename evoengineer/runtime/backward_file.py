@@ -3,8 +3,9 @@
 An export that can train carries, per (dtype, head_dim, causal) it covers:
 
 - an LSE forward: a forward kernel that also writes each query row's log-sum-exp (its ``WS``
-  argument, one float per row); it runs instead of the inference kernels only when a gradient
-  will be needed, so inference never writes the LSE;
+  argument, one float per row; an mma kernel, or the export's own wgmma forward with its tensor
+  maps); it runs instead of the inference kernels only when a gradient will be needed, so
+  inference never writes the LSE;
 - backward configurations chosen by the dispatch rule (``dispatch.RULE``) over the variant's
   measured backward cases, its fallback otherwise, and a deterministic one (dQ summed without
   atomics) that serves every call where determinism is asked for;
@@ -122,8 +123,10 @@ def parse_backward(top: Any, path: Path, read_kernel: Callable[[Any], Any], conf
         spec = read_kernel(top.at(item, where))
         if spec.config not in configs:
             section.fail(f"{where}.config", f"{_show(spec.config)} is not one of backward.configs")
-        if spec.workspace_floats_per_row != 1 or len(spec.launches) != 1 or spec.tensor_maps:
-            section.fail(where, "an LSE forward has one launch, no tensor maps and one workspace float (the LSE) per row")
+        if (spec.workspace_floats_per_row != 1 or len(spec.launches) != 1 or spec.launches[0].tile_counter
+                or spec.launches[0].split_tail or spec.launches[0].auto_split is not None):
+            section.fail(where, "an LSE forward has one launch, no tile counter, cut tail or split, and one workspace "
+                                "float (the LSE) per row")
         forward[spec.key] = spec
     kernels: dict[tuple[str, int, bool, str], BackwardKernelSpec] = {}
     for i, item in enumerate(section.items("kernels")):

@@ -61,14 +61,15 @@ def _poisoned(*like) -> list:
     return [torch.full(t.shape, float("nan"), dtype=t.dtype, device=t.device) for t in like]
 
 
-def _run_backward(config: Config, q, k, v, do, causal: bool, *, runs: int = 1):
-    """Our forward (o, lse), then ``runs`` backward passes into NaN-poisoned outputs and workspaces."""
+def _run_backward(config: Config, q, k, v, do, causal: bool, *, runs: int = 1, forward: Config | None = None):
+    """Our forward (o, lse; ``forward``: that WRITE_LSE forward, else the mma one), then ``runs``
+    backward passes into NaN-poisoned outputs and workspaces."""
     from evoengineer.gpu.backward import attention_forward_lse, load_backward
 
     variant = Variant(q.shape[-1], causal, {torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype])
     o_nan, = _poisoned(q)
     lse_nan = torch.full(q.shape[:3], float("nan"), device="cuda")
-    o_lse = attention_forward_lse(q, k, v, causal=causal, out=o_nan, lse=lse_nan)
+    o_lse = attention_forward_lse(q, k, v, causal=causal, config=forward, out=o_nan, lse=lse_nan)
     kernel = load_backward(config, variant, q.device)
     B, H, S_q, D = q.shape
     results = []
@@ -81,12 +82,13 @@ def _run_backward(config: Config, q, k, v, do, causal: bool, *, runs: int = 1):
     return o_lse, results
 
 
-def _check(config: Config, shape, head_dim: int, causal: bool, dtype: str, *, runs: int = 1, transposed: bool = False):
+def _check(config: Config, shape, head_dim: int, causal: bool, dtype: str, *, runs: int = 1, transposed: bool = False,
+           forward: Config | None = None):
     from evoengineer.gpu.backward import reference_lse, rule_check, sdpa_gradients
 
     seed = sum(shape) * 7 + head_dim + int(causal) + (dtype == "bf16")
     q, k, v, do = _inputs(shape, head_dim, dtype, seed, transposed)
-    (o, lse), results = _run_backward(config, q, k, v, do, causal, runs=runs)
+    (o, lse), results = _run_backward(config, q, k, v, do, causal, runs=runs, forward=forward)
     o32, *g32 = sdpa_gradients(q, k, v, do, causal, None, torch.float32)
     olp, *glp = sdpa_gradients(q, k, v, do, causal, None)
     label = f"{config.label()} {shape} D{head_dim} causal={causal} {dtype}"

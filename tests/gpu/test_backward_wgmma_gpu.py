@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from test_backward_gpu import DTYPES, SHORT_SHAPES, _check
 
-from evoengineer.kernels.backward_rules import WGMMA_CONFIGS
+from evoengineer.kernels.backward_rules import WGMMA_CONFIGS, default_config
 from evoengineer.space import Case, Config, Variant, load_space
 
 try:
@@ -67,6 +67,26 @@ def test_wgmma_atomic_dq_passes_on_repeated_runs(head_dim: int, causal: bool) ->
     results = _check(config, (1, 8, 2, 1024, 1024), head_dim, causal, "bf16", runs=3)
     for dq, dk, dv in results[1:]:   # dK and dV never race: identical run to run
         assert torch.equal(dk, results[0][1]) and torch.equal(dv, results[0][2])
+
+
+LSE_FORWARDS = {
+    "ptmao": Config(PATH="wgmma", BLOCK_M=128, BLOCK_N=128, CONSUMER_WGS=2, INTRA_WG_OVERLAP=1, LOAD="tma", O_TMA=1,
+                    PERSISTENT=1, PINGPONG=0, PRODUCER=1, Q_IN_REGS=1, REG_CONSUMER=240, REG_PRODUCER=24,
+                    SOFTMAX_PIN=3, SPLIT_TAIL=0, STAGES=2),
+    "wgmma-64x128": Config(PATH="wgmma", BLOCK_M=64, BLOCK_N=128, CONSUMER_WGS=1, STAGES=2),
+}
+
+
+@pytest.mark.parametrize("forward", LSE_FORWARDS, ids=str)
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_wgmma_forward_writes_the_lse_the_backward_needs(forward: str, head_dim: int, causal: bool, dtype: str) -> None:
+    """WRITE_LSE=1 on wgmma forwards (persistent with TMA loads and stores; one CTA a tile with
+    cp.async): o and the LSE against fp32 SDPA, and the default backward's gradients from them
+    under flash-attn's rule, on every shape (odd lengths, seq_q != seq_k, grouped heads)."""
+    for shape in SHAPES:
+        _check(default_config(head_dim, hopper=True), shape, head_dim, causal, dtype, forward=LSE_FORWARDS[forward])
 
 
 def test_wgmma_strided_inputs() -> None:

@@ -6,7 +6,9 @@ CUDA-graph capture of a training step, errors that need a GPU, and a 2-layer Lla
 steps through ``register_hf`` against SDPA.
 
 The export comes from a replayed run of a tiny space over fp16 and bf16, D64 and D128, causal
-and full (one mma configuration), exported with each head dim's default backward."""
+and full (one mma configuration), exported with each head dim's default backward; the gradient,
+compile and CUDA-graph tests also run an export of a wgmma forward (sm_90 GPUs), whose LSE
+forward is that wgmma configuration writing the LSE."""
 from __future__ import annotations
 
 import importlib.util
@@ -31,25 +33,30 @@ pytestmark = [
 ]
 
 FORWARD = Config(PATH="mma", BLOCK_M=64, BLOCK_N=64, WARPS=4, VEC=8, STAGES=2, SPLITS=1)
+WGMMA_FORWARD = Config(PATH="wgmma", BLOCK_M=128, BLOCK_N=128, CONSUMER_WGS=2, INTRA_WG_OVERLAP=1, LOAD="tma",
+                       O_TMA=1, PERSISTENT=1, PINGPONG=0, PRODUCER=1, Q_IN_REGS=1, REG_CONSUMER=240, REG_PRODUCER=24,
+                       SOFTMAX_PIN=3, SPLIT_TAIL=0, STAGES=2)
+"""A persistent wgmma forward (sm_90a): the export's LSE forward is then this configuration
+writing the LSE (``kernels.backward_rules.forward_lse_config``)."""
 
 
-@pytest.fixture(scope="module")
-def module(tmp_path_factory: pytest.TempPathFactory):
+def _export(root: Path, forward: Config, arch: str, name: str):
+    """Replay a one-configuration run of a tiny space, export it with each head dim's default
+    backward, and import the export."""
     import yaml
 
-    root = tmp_path_factory.mktemp("export_bwd_gpu")
     space = {
         "name": "tiny-train",
-        "target": {"name": "any", "arch": "sm_90", "sms": 132, "smem_per_block": 232448},
+        "target": {"name": "any", "arch": arch, "sms": 132, "smem_per_block": 232448},
         "problem": {"dtype": ["fp16", "bf16"], "shapes": [{"B": 1, "H": 8, "H_KV": 2, "S": 256, "D": d, "causal": [False, True]}
                                                           for d in (64, 128)]},
         "template": "flash_attention",
-        "params": {k: [v] for k, v in FORWARD.items()},
+        "params": {k: [v] for k, v in forward.items()},
         "search": {"strategy": "grid", "budget": 1, "top_k": 1},
     }
     (root / "tiny.yaml").write_text(yaml.safe_dump(space, sort_keys=False))
     (root / "rec.jsonl").write_text(json.dumps({"header": {"space_inline": space}}) + "\n" + json.dumps(
-        {"config": FORWARD.to_dict(), "key": FORWARD.key(), "status": "ok", "reason": "", "objective_us": 10.0}) + "\n")
+        {"config": forward.to_dict(), "key": forward.key(), "status": "ok", "reason": "", "objective_us": 10.0}) + "\n")
     run, out = root / "run", root / "best"
     for args in (("search", "--space", "tiny.yaml", "--replay", "rec.jsonl", "--run-dir", str(run), "--quiet"),
                  ("export", str(run), "--rank", "1", "--out", str(out))):
@@ -57,14 +64,39 @@ def module(tmp_path_factory: pytest.TempPathFactory):
                               timeout=600)
         assert done.returncode == 0, done.stderr + done.stdout
     package = out / "evo_attention"
-    spec = importlib.util.spec_from_file_location("evo_attention_train", package / "__init__.py",
+    spec = importlib.util.spec_from_file_location(name, package / "__init__.py",
                                                   submodule_search_locations=[str(package)])
     loaded = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = loaded
     spec.loader.exec_module(loaded)
     assert len(loaded.BACKWARD) == 8
+    loaded.KERNEL_JSON = json.loads((out / "kernel.json").read_text())
     return loaded
 
+
+@pytest.fixture(scope="module")
+def module(tmp_path_factory: pytest.TempPathFactory):
+    return _export(tmp_path_factory.mktemp("export_bwd_gpu"), FORWARD, "sm_90", "evo_attention_train")
+
+
+@pytest.fixture(scope="module")
+def wgmma_module(tmp_path_factory: pytest.TempPathFactory):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma forward needs an sm_90 GPU (H100, H200)")
+    return _export(tmp_path_factory.mktemp("export_bwd_wgmma"), WGMMA_FORWARD, "sm_90a", "evo_attention_train_wgmma")
+
+
+@pytest.fixture(params=["mma", "wgmma"])
+def either_module(request):
+    """The export whose LSE forward is the mma kernel, and the one whose LSE forward is its own wgmma forward."""
+    return request.getfixturevalue("module" if request.param == "mma" else "wgmma_module")
+
+
+def test_the_wgmma_export_trains_through_its_own_forward(wgmma_module) -> None:
+    backward = wgmma_module.KERNEL_JSON["backward"]
+    lse = WGMMA_FORWARD.replace(WRITE_LSE=1).key()
+    assert {v["forward"] for v in backward["variants"]} == {lse}
+    assert backward["configs"][lse]["config"]["PATH"] == "wgmma"
 
 
 def _dtype(name: str):
@@ -99,8 +131,9 @@ SHAPES = [  # (B, H, H_kv, S_q, S_k)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_gradients_of_the_exported_op_meet_flash_attns_rule(module, dtype: str, head_dim: int, causal: bool,
+def test_gradients_of_the_exported_op_meet_flash_attns_rule(either_module, dtype: str, head_dim: int, causal: bool,
                                                             deterministic: bool) -> None:
+    module = either_module
     from evoengineer.gpu.backward import rule_check, sdpa_gradients
 
     for i, shape in enumerate(SHAPES):
@@ -138,7 +171,9 @@ def test_opcheck_with_autograd(module) -> None:
     torch.library.opcheck(module.attention_backward_op, (out, q, k, v, out, lse, True, None, True, False))
 
 
-def test_torch_compile_fullgraph_forward_and_backward(module) -> None:
+def test_torch_compile_fullgraph_forward_and_backward(either_module) -> None:
+    module = either_module
+
     def loss(q, k, v, do):
         return (module.attention(q * 1.5, k, v, is_causal=True, enable_gqa=True) * do).float().sum()
 
@@ -153,7 +188,8 @@ def test_torch_compile_fullgraph_forward_and_backward(module) -> None:
             torch.testing.assert_close(b.grad.float(), a.grad.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_cuda_graph_capture_of_a_training_step(module) -> None:
+def test_cuda_graph_capture_of_a_training_step(either_module) -> None:
+    module = either_module
     q, k, v, do = _inputs(2, 8, 2, 512, 512, 128, "fp16", seed=7)
     static = [t.clone().requires_grad_() for t in (q, k, v)]
 
