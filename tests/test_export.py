@@ -345,7 +345,26 @@ def test_register_hf_registers_the_function_and_sdpas_masks(exported) -> None:
     assert transformers.AttentionInterface._global_mapping["evo_test"] is module.hf_attention
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    assert ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["evo_test"] is ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    builder = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["evo_test"]
+    # sdpa's builder, but no mask where there is no padding, also while tracing
+    padding = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    causal = {"batch_size": 2, "q_length": 6, "kv_length": 6, "q_offset": 0, "kv_offset": 0}
+    sdpa = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    assert builder(**causal) is None and builder(**causal, attention_mask=padding).equal(sdpa(**causal, attention_mask=padding))
+    for other in ({"local_size": 4}, {"allow_is_causal_skip": False}):   # a window that bites; a caller that needs the mask
+        assert builder(**causal, **other).equal(sdpa(**causal, **{"allow_is_causal_skip": False, **other}))
+    from transformers import LlamaConfig
+    from transformers.masking_utils import create_causal_mask
+
+    config = LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, vocab_size=16)
+    embeds = torch.zeros(2, 6, 32)
+
+    def build(implementation: str):
+        config._attn_implementation = implementation
+        return torch.compile(lambda e: create_causal_mask(config=config, inputs_embeds=e, attention_mask=None,
+                                                          past_key_values=None), backend="eager", fullgraph=True)(embeds)
+
+    assert build("evo_test") is None and build("sdpa") is not None   # traced, sdpa's builder makes the whole mask
 
 
 # -- a fallback that does not hold every head dim of the export ---------------------------------------------

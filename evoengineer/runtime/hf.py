@@ -208,8 +208,8 @@ def _call_plan(module: Any, mask: Any, batch: int, q_len: int, kv_len: int, kwar
 def register_hf(hf_attention: Callable[..., Any], name: str = "evo") -> str:
     """Register ``hf_attention`` with transformers under ``name`` (then
     ``model.set_attn_implementation(name)`` or ``from_pretrained(..., attn_implementation=name)``),
-    with sdpa's mask builder, so padding and sliding windows reach hf_attention as a mask
-    instead of being dropped. Returns ``name``."""
+    with sdpa's mask builder (``mask_builder``), so padding and sliding windows reach hf_attention
+    as a mask instead of being dropped. Returns ``name``."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(name, hf_attention)
@@ -217,5 +217,38 @@ def register_hf(hf_attention: Callable[..., Any], name: str = "evo") -> str:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     except ImportError:  # older transformers build a mask for every implementation
         return name
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(name, mask_builder(ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]))
     return name
+
+
+def mask_builder(sdpa_mask: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' mask builder for hf_attention: sdpa's, but where there is no padding mask and
+    the causal (or full) pattern is all the mask would hold, None even while tracing
+    (``torch.compile``, CUDA-graph capture), where sdpa's builds the whole mask: hf_attention then
+    takes causal from the module, as without a mask, and reads no mask on the host
+    (``mask_plan``'s reads would break the graph, or the capture)."""
+
+    def evo_mask(*args: Any, **kwargs: Any) -> Any:
+        if not args and needs_no_mask(kwargs):
+            return None
+        return sdpa_mask(*args, **kwargs)
+
+    return evo_mask
+
+
+def needs_no_mask(kwargs: dict[str, Any]) -> bool:
+    """Whether a mask builder's call (transformers' keywords: q_length, kv_length, q_offset,
+    attention_mask, local_size, allow_is_causal_skip, allow_is_bidirectional_skip) is served by
+    no mask: no padding, no window that reaches past a key, and then a causal pattern sdpa's
+    builder would also skip when not tracing (one query, as many queries as keys, or queries from
+    position 0), or a full one it may skip."""
+    q_length, kv_length, local = kwargs.get("q_length"), kwargs.get("kv_length"), kwargs.get("local_size")
+    if kwargs.get("attention_mask") is not None or type(q_length) is not int or type(kv_length) is not int:
+        return False
+    if local is not None and kv_length >= local:
+        return False
+    if kwargs.get("allow_is_bidirectional_skip", False):
+        return True
+    q_offset = kwargs.get("q_offset", 0)
+    return bool(kwargs.get("allow_is_causal_skip", True)) and (
+        q_length == 1 or q_length == kv_length or (type(q_offset) is int and q_offset == 0))
