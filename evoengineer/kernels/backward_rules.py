@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Sequence
 
 from ..paths import mma_backward as rules
 from ..paths import wgmma as wgmma_path
 from ..paths import wgmma_backward
+from ..runtime.backward_file import BackwardLaunchSpec as BackwardLaunch
 from ..space import Config
 from .render import Rendered, parameter_kinds
 
@@ -185,23 +185,6 @@ def forward_lse_config(head_dim: int, candidates: Sequence[Config] = ()) -> Conf
             return config.replace(WRITE_LSE=1)
     return Config(PATH="mma", BLOCK_M=128, BLOCK_N=64, WARPS=8, VEC=8, STAGES=2, SMEM_LAYOUT="swizzle",
                   Q_IN_REGS=1, P_IN_REGS=1, SPLITS=1, KV_GROUPS=1, WRITE_LSE=1)
-
-
-@dataclass(frozen=True)
-class BackwardLaunch:
-    """One kernel of the backward: its grid runs over query rows (``q``: ``(ceil(S_q / rows), B * H)``)
-    or key rows (``kv``: ``(ceil(S_k / rows), B * H_kv)``)."""
-
-    kernel: str
-    block: tuple[int, int, int]
-    smem: int
-    rows_per_cta: int
-    over: str
-
-    def grid(self, batch: int, heads: int, heads_kv: int, seq_q: int, seq_k: int) -> tuple[int, int, int]:
-        if self.over == "kv":
-            return (math.ceil(seq_k / self.rows_per_cta), batch * heads_kv, 1)
-        return (math.ceil(seq_q / self.rows_per_cta), batch * heads, 1)
 
 
 def backward_launches(rendered: Rendered) -> list[BackwardLaunch]:

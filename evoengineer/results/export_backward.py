@@ -199,5 +199,4 @@ def backward_kernel_entry(rendered: Rendered, config_id: str, config: Config, dt
     return {"config": config_id, "dtype": dtype, "head_dim": head_dim, "causal": causal, "source": source,
             "args": [list(a) for a in args], "deterministic": deterministic(config),
             "workspaces": workspaces(rendered, config, head_dim),
-            "launches": [{"kernel": l.kernel, "block": list(l.block), "smem": l.smem, "rows_per_cta": l.rows_per_cta,
-                          "grid": l.over} for l in launches]}
+            "launches": [launch.to_json() for launch in launches]}
