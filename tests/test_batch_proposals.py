@@ -104,7 +104,9 @@ def test_background_prefetch_fills_the_queue_and_asks_pop_it() -> None:
 
 @pytest.mark.parametrize("devices", [1, 8])
 def test_search_on_simulated_devices_keeps_the_budget_exact(tmp_path: Path, devices: int) -> None:
-    replay = ReplayCandidates(SMALL, delay_s=0.01)
+    # 50 ms an evaluation: on a loaded 2-core machine 10 ms let one of 8 lanes find the budget gone
+    # before its thread got the CPU
+    replay = ReplayCandidates(SMALL, delay_s=0.05)
     space = load_space(DATA / "replay_small_space.yaml")
     run = RunDir.create(tmp_path, space)
     study = open_study(space, run, strategy="evo", seed=0, storage=None, study_name=None, resume=False)

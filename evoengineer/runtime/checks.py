@@ -25,6 +25,19 @@ class Coverage:
         return ", ".join(f"{d} D{h}{' causal' if c else ''}" for d, h, c in sorted(self.variant_gqa))
 
 
+def check_layout(who: str, q: Any, k: Any, v: Any, scale: float | None) -> None:
+    """ValueError (``who: ...``, one line) unless q, k and v have a contiguous last dimension and
+    one device, and a scale given is positive."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{who}: {name} needs a contiguous last dimension (stride 1), got strides "
+                             f"{tuple(t.stride())}; other strides are fine (or pass {name}.contiguous())")
+    if scale is not None and not scale > 0:
+        raise ValueError(f"{who}: scale must be positive, got {scale}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{who}: q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
 def check_inputs(coverage: Coverage, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None,
                  enable_gqa: bool) -> None:
     """TypeError or ValueError (``attention: ...``, one line) unless the export can serve this call;
@@ -50,14 +63,7 @@ def check_inputs(coverage: Coverage, q: Any, k: Any, v: Any, is_causal: bool, sc
             raise Uncovered(f"attention: k and v have {heads_kv} heads and q {heads}, but this export's kernels take no "
                              f"K/V head count (no grouped-query attention); repeat k and v to {heads} heads "
                              f"(k.repeat_interleave({heads // heads_kv}, dim=1)) or export from templates with GQA support")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"attention: {name} needs a contiguous last dimension (stride 1), got strides "
-                             f"{tuple(t.stride())}; other strides are fine (or pass {name}.contiguous())")
-    if scale is not None and not scale > 0:
-        raise ValueError(f"attention: scale must be positive, got {scale}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"attention: q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    check_layout("attention", q, k, v, scale)
     if q.device.type not in ("cuda", "meta"):  # meta tensors: the outputs' shapes only (fake implementations)
         raise Uncovered(f"attention: q, k and v must be CUDA tensors, got device {q.device}")
 

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from .checks import DTYPE_NAMES, Coverage, check_variant
+from .checks import DTYPE_NAMES, Coverage, check_layout, check_variant
 from .features import CallFeatures, FallbackCounts, Uncovered, allowed_keys, attend, call_features
 from .features import check_fallback, select_kernel
 from .launch import ALIGNMENT_ERROR, MAX_GRID_ROWS, MAX_PLANS, Launcher, Plan
@@ -86,14 +86,7 @@ def check_varlen(coverage: Coverage, q: Any, k: Any, v: Any, cu_seqlens_q: Any, 
     if heads != heads_kv and not coverage.variant_gqa[variant]:
         raise Uncovered(f"{WHO}: k and v have {heads_kv} heads and q {heads}, but this export's kernels take no K/V head "
                         f"count (no grouped-query attention); repeat k and v to {heads} heads")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{WHO}: {name} needs a contiguous last dimension (stride 1), got strides "
-                             f"{tuple(t.stride())}; other strides are fine (or pass {name}.contiguous())")
-    if scale is not None and not scale > 0:
-        raise ValueError(f"{WHO}: scale must be positive, got {scale}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{WHO}: q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    check_layout(WHO, q, k, v, scale)
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < 1:
             raise ValueError(f"{WHO}: {name} must be an int32 tensor of shape (batch + 1,), got {t.dtype} {tuple(t.shape)}")
