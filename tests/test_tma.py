@@ -28,6 +28,7 @@ from evoengineer.gpu.tensormap import (
 from evoengineer.kernels import KERNEL_ARGS, RenderError, TensorMapArg, compile_source, from_source, render
 from evoengineer.kernels.render import parameter_kinds
 from evoengineer.kernels.sass import nvdisasm
+from evoengineer.paths.wgmma import panel_head_dim
 from evoengineer.results import ExportError, export_runs, kernel_args
 from evoengineer.space import Config, Variant, load_space
 
@@ -225,6 +226,45 @@ def test_geometry_of_a_contiguous_tensor_and_of_a_transposed_view() -> None:
     assert (g.dims, g.strides, g.data_type) == ((128, 300, 4, 2), (4 * 256, 256, 300 * 4 * 256), 9)
 
 
+def test_a_head_dim_past_the_last_whole_box_is_mapped_as_it_is() -> None:
+    """D96 with 64-column boxes: the second box reads columns 64..127, zeros past 96."""
+    q = torch.empty(2, 4, 300, 96, dtype=torch.float16)
+    g = map_geometry(K_MAP, q.shape, q.stride(), "fp16")
+    assert (g.dims, g.strides, g.box) == ((96, 300, 4, 2), (192, 300 * 192, 4 * 300 * 192), (64, 128, 1, 1))
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 96])
+def test_a_head_dim_not_a_multiple_of_64_computes_in_whole_panels_and_stores_its_own_columns(head_dim: int) -> None:
+    config = SEED.replace(PERSISTENT=1, O_TMA=1)
+    source = render("flash_attention", config, Variant(head_dim, True)).source
+    padded = panel_head_dim(head_dim)
+    assert f"static constexpr int D = {padded};" in source and f"static constexpr int DH = {head_dim};" in source
+    assert f"wgmma.mma_async.sync.aligned.m64n{padded}k16" in source   # P V over whole panels
+    assert render("flash_attention", config, Variant(head_dim, True)).max_smem == WGMMA.smem(config, head_dim) \
+        == WGMMA.smem(config, padded)
+    with pytest.raises(RenderError, match="NOT_A_MULTIPLE_OF_64_REQUIRES_TMA"):
+        render("flash_attention", SEED.replace(LOAD="cpasync"), Variant(head_dim, False))
+    env = {"HEAD_DIMS": (head_dim,), "MIN_HEAD_DIM": head_dim, "MAX_HEAD_DIM": head_dim, "SMEM_LIMIT": 232448,
+           "ARCH_NAME": "sm_90a"}
+    assert WGMMA.violations(config, env) == []
+    assert [v.split(":")[0] for v in WGMMA.violations(SEED.replace(LOAD="cpasync"), env)] == ["wgmma.panel-head-dims"]
+
+
+@pytest.mark.slow
+def test_head_dim_96_compiles_without_spills_and_reads_no_more_k_steps_than_it_has() -> None:
+    config = SEED.replace(PERSISTENT=2, O_TMA=1, Q_IN_REGS=1, SOFTMAX_PIN=3, REG_PRODUCER=32, REG_CONSUMER=232)
+    counts = {}
+    for head_dim in (96, 128):
+        result = compile_source(render("flash_attention", config, Variant(head_dim, False)).source, "sm_90a")
+        assert result.ok and result.spill_bytes == 0 and result.stack_bytes == 0, result.error
+        tool = nvdisasm()
+        if tool is None:
+            pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+        sass = subprocess.run([tool, result.cubin_path], capture_output=True, text=True, timeout=120).stdout
+        counts[head_dim] = len(re.findall(r"HGMMA\.64x128x16", sass))   # Q K^T k-steps (BLOCK_N 128) and P V (n128)
+    assert 0 < counts[96] < counts[128]
+
+
 def test_dimensions_of_extent_one_get_a_contiguous_stride() -> None:
     one = torch.empty(1, 1, 8, 64, dtype=torch.float16).as_strided((1, 1, 8, 64), (0, 3, 64, 1))
     g = map_geometry(TensorMapArg("tm_q", "q", (64, 64)), one.shape, one.stride(), "fp16")
@@ -235,7 +275,7 @@ def test_dimensions_of_extent_one_get_a_contiguous_stride() -> None:
     ((2, 4, 16, 64), (4096, 0, 64, 1), (64, 128), "heads stride 0"),            # expanded heads
     ((2, 4, 16, 64), (4096, 1028, 64, 1), (64, 128), "heads stride 1028"),      # not 16-byte steps
     ((2, 4, 16, 64), (4096, 1024, 1, 16), (64, 128), "contiguous"),
-    ((2, 4, 16, 96), (6144, 1536, 96, 1), (64, 128), "multiple of the box"),
+    ((2, 4, 16, 100), (6400, 1600, 100, 1), (64, 128), "head_dim 100"),         # 200-byte rows
     ((2, 4, 16, 128), (8192, 2048, 128, 1), (128, 64), "128-byte swizzle"),
     ((2, 4, 16, 64), (4096, 1024, 64, 1), (64, 512), "1..256"),
     ((4, 16, 64), (1024, 64, 1), (64, 128), "4-D"),

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import KernelPath, Scope, head_dims_rule, rule
+from .base import KernelPath, Scope, head_dims_rule, rule, scope_head_dims
 
 NAME = "wgmma"
 PARAMS = ("BLOCK_M", "BLOCK_N", "STAGES", "Q_IN_REGS", "CONSUMER_WGS", "PRODUCER", "REG_PRODUCER", "REG_CONSUMER",
           "INTRA_WG_OVERLAP", "PINGPONG", "LOAD", "PERSISTENT", "O_TMA", "SPLIT_TAIL", "SOFTMAX_PIN")
-HEAD_DIMS = (64, 128, 192, 256)
+HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 DEFAULTS = {"STAGES": 2, "Q_IN_REGS": 0, "CONSUMER_WGS": 1, "PRODUCER": 0, "REG_PRODUCER": 0, "REG_CONSUMER": 0,
             "INTRA_WG_OVERLAP": 0, "PINGPONG": 0, "LOAD": "cpasync", "PERSISTENT": 0, "O_TMA": 0, "SPLIT_TAIL": 0,
             "SOFTMAX_PIN": 0}
@@ -29,6 +29,12 @@ def writes_lse(config: Scope) -> bool:
     forward a backward needs): its workspace then holds the LSE, so not with a tile counter
     (``PERSISTENT=2``, which ``SPLIT_TAIL`` needs), whose workspace is the counter."""
     return config.get("PATH") == NAME and config.get("PERSISTENT", DEFAULTS["PERSISTENT"]) != 2
+
+
+def panel_head_dim(head_dim: int) -> int:
+    """The head dim the kernel computes with: ``head_dim`` rounded up to whole 64-column panels
+    (the TMA reads zeros past the tensor's columns)."""
+    return -(-head_dim // 64) * 64
 
 
 def threads(c: Scope) -> int:
@@ -51,6 +57,7 @@ def consumer_registers(c: Scope, head_dim: int) -> int:
     (head_dim / 2), 32 more with intra-warpgroup overlap (two S tiles live), 24 in a persistent
     loop without overlap (it spills at the bare count), and Q's fragments with 8 to spare (64x160
     with Q in registers spills at 248 of 255)."""
+    head_dim = panel_head_dim(head_dim)
     return (3 * c["BLOCK_N"] // 4 + head_dim // 2 + (32 if c["INTRA_WG_OVERLAP"] else 0)
             + (24 if c["PERSISTENT"] and not c["INTRA_WG_OVERLAP"] else 0)
             + (head_dim // 4 + 8 if c["Q_IN_REGS"] else 0))
@@ -64,6 +71,7 @@ def barriers(c: Scope) -> bool:
 def smem_bytes(c: Scope, head_dim: int) -> int:
     """1 KB for the 1024-byte alignment of the swizzled tiles, the Q tile (and with O_TMA the O
     tile), STAGES K and V tiles, and 256 bytes of mbarriers where stages are tracked."""
+    head_dim = panel_head_dim(head_dim)
     return (1024 + 2 * head_dim * c["BLOCK_M"] * (1 + c["O_TMA"]) + 4 * head_dim * c["BLOCK_N"] * c["STAGES"]
             + (256 if barriers(c) else 0))
 
@@ -78,6 +86,9 @@ def _setmaxnreg_ok(c: Scope) -> bool:
 
 RULES = (
     head_dims_rule(NAME, HEAD_DIMS),
+    rule(NAME, "panel-head-dims", "a head dim that is not a multiple of 64 needs LOAD tma (the kernel computes "
+         "the next multiple of 64 from the zeros the TMA reads past the head dim)", "LOAD",
+         lambda c: c["LOAD"] == "tma" or all(d % 64 == 0 for d in scope_head_dims(c))),
     rule(NAME, "arch", "wgmma and setmaxnreg exist only on sm_90a", "", lambda c: c["ARCH_NAME"] == ARCH),
     rule(NAME, "tile", "one 64-row strip per consumer warpgroup; 16-key slices, at least 64 keys a tile, "
          "at least two stages", "BLOCK_M BLOCK_N STAGES CONSUMER_WGS",

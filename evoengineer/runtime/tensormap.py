@@ -68,9 +68,10 @@ def map_geometry(spec: MapSpec, shape: Sequence[int], strides: Sequence[int], dt
 
     A dimension of extent 1 is never stepped, so its stride is replaced by the one a contiguous
     tensor would have (views may carry any stride there). TensorMapError when the tensor or the
-    box breaks a rule of the driver: strides multiples of 16 bytes and non-zero, the box's
-    columns a multiple of 16 bytes within the swizzle span and dividing head_dim, box
-    dimensions 1..256."""
+    box breaks a rule of the driver: rows and strides multiples of 16 bytes and non-zero, the
+    box's columns a multiple of 16 bytes within the swizzle span, box dimensions 1..256. The
+    boxes may run past head_dim (a head dim not a multiple of the box's columns): the TMA reads
+    zeros there and clips stores."""
     if len(shape) != 4 or len(strides) != 4:
         raise TensorMapError(f"tensor map {spec.arg}: expected a 4-D (batch, heads, seq, head_dim) tensor, got shape {tuple(shape)}")
     if dtype not in DATA_TYPES:
@@ -86,8 +87,9 @@ def map_geometry(spec: MapSpec, shape: Sequence[int], strides: Sequence[int], dt
     if (columns * ELEMENT_BYTES) % 16 or (spec.swizzle and columns * ELEMENT_BYTES > spec.swizzle):
         raise TensorMapError(f"tensor map {spec.arg}: a box row of {columns * ELEMENT_BYTES} bytes must be a multiple "
                              f"of 16 bytes and fit the {spec.swizzle}-byte swizzle")
-    if head_dim % columns:
-        raise TensorMapError(f"tensor map {spec.arg}: head_dim {head_dim} is not a multiple of the box's {columns} columns")
+    if (head_dim * ELEMENT_BYTES) % 16:
+        raise TensorMapError(f"tensor map {spec.arg}: a row of head_dim {head_dim} ({head_dim * ELEMENT_BYTES} bytes) "
+                             "must be a multiple of 16 bytes")
     contiguous = (heads * seq * head_dim, seq * head_dim, head_dim)   # batch, heads, seq
     byte_strides = []
     for extent, stride, natural, name in zip((batch, heads, seq), strides[:3], contiguous, ("batch", "heads", "seq")):

@@ -1,6 +1,7 @@
 """Head dims 32, 80, 96, 192 and 256 on the GPU: the mma path (padded rows where the head dim is
 not a multiple of 64; K/V splits, K/V groups, grouped query heads, decode) and the wgmma path
-(192, 256), fp16 and bf16, odd shapes, S_q != S_k, against fp32 under flash-attn's rule
+(each; 32, 80 and 96 computed as the next multiple of 64 from zeros the TMA reads past the
+head dim, O stored from registers, staged or by TMA), fp16 and bf16, odd shapes, S_q != S_k, against fp32 under flash-attn's rule
 (max|out - ref_fp32| <= 2 * max|out_lowp - ref_fp32| + eps), soft cap and window included."""
 from __future__ import annotations
 
@@ -59,6 +60,15 @@ CASES += [(d, name, config) for d in (192, 256) for name, config in
           {"wg128x64": wgmma(64), "wg128x80-pp": wgmma(80, PINGPONG=1), "wg128x64-p1": wgmma(64, PERSISTENT=1),
            "wg128x64-p2-ovl2": wgmma(64, PERSISTENT=2, INTRA_WG_OVERLAP=2)}.items()]
 
+PANEL_CONFIGS = {   # head dims that are not a multiple of 64: every store of O, Q in registers
+    "wg128x128-pp": wgmma(128, PINGPONG=1),
+    "wg128x64-p1": wgmma(64, PERSISTENT=1),
+    "wg128x128-p1-otma": wgmma(128, PERSISTENT=1, O_TMA=1, PINGPONG=1),
+    "wg128x128-p2-otma-q": wgmma(128, PERSISTENT=2, O_TMA=1, PINGPONG=1, Q_IN_REGS=1, SOFTMAX_PIN=3,
+                                 REG_PRODUCER=32, REG_CONSUMER=232),
+}
+CASES += [(d, name, config) for d in (32, 80, 96) for name, config in PANEL_CONFIGS.items()]
+
 SHAPES = [  # (B, H, H_kv, S_q, S_k)
     (2, 4, 2, 77, 77),
     (1, 6, 3, 333, 333),
@@ -103,6 +113,20 @@ def test_soft_cap_and_window_at_a_head_dim(head_dim: int, name: str) -> None:
     run = kernel(config, Variant(head_dim, True, "bf16", features))
     for shape in SHAPES:
         q, k, v = inputs((*shape, head_dim), torch.bfloat16, seed=head_dim, spread=2.0)
+        out = torch.full_like(q, float("nan"))
+        run(q, k, v, out, features={"window_left": 40, "window_right": 0, "softcap": 20.0})
+        torch.cuda.synchronize()
+        check_rule(out, q, k, v, True, F.CallFeatures(40, 0, 20.0))
+
+
+@pytest.mark.parametrize("name", ["wg128x128-pp", "wg128x128-p2-otma-q"])
+def test_soft_cap_and_window_at_head_dim_96_on_wgmma(name: str) -> None:
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90a")
+    features = ("softcap", "window")
+    run = kernel(PANEL_CONFIGS[name], Variant(96, True, "bf16", features))
+    for shape in SHAPES:
+        q, k, v = inputs((*shape, 96), torch.bfloat16, seed=96, spread=2.0)
         out = torch.full_like(q, float("nan"))
         run(q, k, v, out, features={"window_left": 40, "window_right": 0, "softcap": 20.0})
         torch.cuda.synchronize()
