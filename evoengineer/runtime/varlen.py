@@ -228,7 +228,10 @@ class VarlenLauncher:
         cid = table.choose(dtype, head_dim, causal, batch, heads, max_seqlen_q, max_seqlen_k, heads_kv)
         spec = select_kernel(launcher.data.kernels, (dtype, head_dim, causal), cid,
                              table.variants[(dtype, head_dim, causal)].fallback, features.needed(causal))
-        maps, map_at, keep = launcher._encode_maps(spec, *(packed_view(t) for t in (q, k, v, out_meta)))
+        try:
+            maps, map_at, keep = launcher._encode_maps(spec, *(packed_view(t) for t in (q, k, v, out_meta)))
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("attention:", f"{WHO}:", 1)) from None
         return launcher.plan_launches(spec, q.get_device(), (batch, heads, heads_kv, max_seqlen_q, max_seqlen_k, head_dim),
                                       strides, scale, features=features, maps=maps, map_at=map_at, keep=keep)
 
