@@ -404,7 +404,7 @@ def test_flash_attn_4_keywords_are_checked_against_its_signature() -> None:
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory: pytest.TempPathFactory):
     """Two exports: the hand-made run's (wmma and mma, fp16 D64 and D128; mma the fallback, with
-    every feature) and one of a single wgmma configuration (no packed sequences)."""
+    every feature) and one of a single wgmma configuration (its kernels with every feature too)."""
     root = tmp_path_factory.mktemp("featbench")
     export_runs([make_run(root / "run")], root / "mixed")
     wgmma = Config({"PATH": "wgmma", "CONSUMER_WGS": 2, "BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 2, "PRODUCER": 1,
@@ -426,10 +426,11 @@ def test_the_kernel_serving_each_row_or_one_line_why_none(exports) -> None:
     assert fb.serving_kernel(mixed, "fp16", d256) == ("no fp16 D256 causal kernel in this export", "")
     assert fb.serving_kernel(mixed, "bf16", window) == ("no bf16 kernels in this export", "")
     assert fb.serving_kernel(wgmma_only, "fp16", window) == ("", wgmma.key())
-    assert fb.serving_kernel(wgmma_only, "fp16", packed) == ("no fp16 D128 causal kernel with varlen", "")
-    lines = fb.list_lines([window, packed], ["fp16"], wgmma_only)
+    assert fb.serving_kernel(wgmma_only, "fp16", packed) == ("", wgmma.key())   # the wgmma kernel with varlen
+    lines = fb.list_lines([window, packed, d256], ["fp16"], wgmma_only)
     assert lines[0] == f"B4 H16 S2048 D128 window 255 fp16: {wgmma_only.CONFIGS[wgmma.key()]['short']}"
-    assert "varlen D128 fp16: no fp16 D128 causal kernel with varlen" in lines
+    assert f"varlen D128 fp16: {wgmma_only.CONFIGS[wgmma.key()]['short']}" in lines
+    assert any(line.startswith("B4 H16/8 S2048 D256 fp16: no fp16 D256") for line in lines), lines
     assert all(len(line) <= 80 for line in lines)
 
 

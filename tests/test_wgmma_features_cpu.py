@@ -125,12 +125,13 @@ def test_split_tail_is_left_out_where_a_work_tiles_k_v_range_starts_past_zero(fe
 
 
 def test_each_path_declares_the_features_it_holds_and_the_template_refuses_others() -> None:
-    assert paths.get("wgmma").features == wgmma_path.FEATURES == ("seqlens", "softcap", "window")
+    assert paths.get("wgmma").features == wgmma_path.FEATURES == ("seqlens", "softcap", "varlen", "window")
     assert paths.get("mma").features == ("seqlens", "softcap", "varlen", "window")
     assert paths.get("wmma").features == paths.get("scalar").features == ()
-    assert set(paths.get("mma").features) == set(F.SWITCHES)
+    assert set(paths.get("mma").features) == set(paths.get("wgmma").features) == set(F.SWITCHES)
     with pytest.raises(RenderError, match="THE_PATH_DOES_NOT_HOLD_A_FEATURE_ASKED"):
-        render("flash_attention", CONFIGS["tma-pp"], Variant(64, False, "fp16", ("varlen",)))
+        render("flash_attention", Config({"PATH": "wmma", "BLOCK_M": 64, "BLOCK_N": 64, "WARPS": 4, "VEC": 8}),
+               Variant(64, False, "fp16", ("varlen",)))
     with pytest.raises(RenderError, match="THE_PATH_DOES_NOT_HOLD_A_FEATURE_ASKED"):
         render("flash_attention", Config({"PATH": "wmma", "BLOCK_M": 64, "BLOCK_N": 64, "WARPS": 4, "VEC": 8}),
                Variant(64, False, "fp16", ("softcap",)))
@@ -207,10 +208,10 @@ def test_an_export_ships_a_wgmma_winner_of_a_case_with_features_and_calls_with_t
     for dispatched in (WGMMA.key(), WMMA.key(), MMA.key(), data.fallback):
         chosen = F.select_kernel(data.kernels, ("fp16", 64, True), dispatched, data.fallback, ("softcap", "window"))
         assert chosen.config == WGMMA.key() and chosen.switches == ("softcap", "window"), dispatched
-    # padded batches (per-batch key ranges): the fallback's kernel with every feature its path holds
-    # (no mma configuration won a case here, so packed sequences have none, and a note says so)
+    # padded batches (per-batch key ranges) and packed sequences: the fallback's kernel with every
+    # feature (its path holds all four)
     assert data.fallback == WGMMA.key()
     padded = F.select_kernel(data.kernels, ("fp16", 64, True), WMMA.key(), data.fallback, ("seqlens", "softcap"))
-    assert padded.config == WGMMA.key() and padded.switches == ALL
-    with pytest.raises(F.Uncovered, match="with varlen"):
-        F.select_kernel(data.kernels, ("fp16", 128, False), WGMMA.key(), data.fallback, ("varlen",))
+    assert padded.config == WGMMA.key() and padded.switches == tuple(F.SWITCHES)
+    packed = F.select_kernel(data.kernels, ("fp16", 128, False), WGMMA.key(), data.fallback, ("varlen",))
+    assert packed.config == WGMMA.key() and packed.switches == tuple(F.SWITCHES)

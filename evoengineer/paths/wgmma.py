@@ -15,10 +15,12 @@ DEFAULTS = {"STAGES": 2, "Q_IN_REGS": 0, "CONSUMER_WGS": 1, "PRODUCER": 0, "REG_
             "INTRA_WG_OVERLAP": 0, "PINGPONG": 0, "LOAD": "cpasync", "PERSISTENT": 0, "O_TMA": 0, "SPLIT_TAIL": 0,
             "SOFTMAX_PIN": 0}
 """What the template takes for a parameter a configuration leaves out."""
-FEATURES = ("seqlens", "softcap", "window")
-"""The compile-time features the template holds (SEQLENS, SOFTCAP, WINDOW; packed sequences are
-the mma path's). With WINDOW or SEQLENS a work tile's K/V tiles start past 0, so SPLIT_TAIL, which
-cuts every work tile's K/V tiles alike, is ignored (as with the causal mask)."""
+FEATURES = ("seqlens", "softcap", "varlen", "window")
+"""The compile-time features the template holds (SEQLENS, SOFTCAP, VARLEN, WINDOW). With WINDOW,
+SEQLENS or VARLEN a work tile's K/V tiles start past 0, so SPLIT_TAIL, which cuts every work tile's
+K/V tiles alike, is ignored (as with the causal mask); with VARLEN, O_TMA's store is replaced by
+the stores from registers (a TMA store would write past a sequence's rows), and WRITE_LSE, which
+serves the dense backward only, is refused."""
 ARCH = "sm_90a"
 REGISTER_FILE = 65536
 """32-bit registers per multiprocessor; a thread gets at most 255."""

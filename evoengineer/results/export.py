@@ -199,10 +199,10 @@ def _every_feature_specs(candidates: list[tuple[MeasuredConfig, RunInfo]], varia
                          specs: list[KernelSpec], notes: list[str]) -> list[KernelSpec]:
     """Per plain variant without one yet, a kernel with every feature (per-batch key ranges,
     soft-capping, a window: padding and sliding windows from ``hf_attention``; packed sequences),
-    of the first candidate configuration that renders it (the mma path's), so that calls with
-    features find a kernel in any export; where the first candidates' path holds only some of
-    them (wgmma: not packed sequences), a kernel with those, and the rest from a later candidate;
-    a note for features no candidate holds."""
+    of the first candidate configuration that renders it (the mma and wgmma paths hold all four),
+    so that calls with features find a kernel in any export; where the first candidates' path
+    holds only some of them, a kernel with those, and the rest from a later candidate; a note for
+    features no candidate holds."""
     from ..kernels import RenderError
     from ..paths import of_template
     from ..runtime.features import SWITCHES

@@ -292,8 +292,9 @@ class Launcher:
 
     def _encode_maps(self, spec: KernelSpec, q: Any, k: Any, v: Any, out_meta: Any
                      ) -> tuple[tuple[MapSlot, ...], dict[str, int], tuple[Any, ...]]:
-        """Encode the tensor maps of a TMA kernel over these tensors (the output's at q's address
-        until the first call re-points it)."""
+        """Encode the tensor maps of a TMA kernel over these (batch, heads, seq, head_dim) tensors
+        (the output's at q's address until the first call re-points it; packed sequences pass
+        ``varlen.packed_view``s, which share their tensors' addresses)."""
         if not spec.tensor_maps:
             return (), {}, ()
         pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.data_ptr())

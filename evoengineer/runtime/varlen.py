@@ -14,8 +14,10 @@ covers max_seqlen_q, the dispatch reads both as a dense call's (batch, heads, S_
 ``is_causal`` and the window align bottom-right, as flash-attn 2.1+ and unlike the dense
 ``attention`` (top-left, as SDPA): query i of a sequence with L_q queries and L_k keys sits at
 key position i + L_k - L_q (the two agree where L_q == L_k). A query that sees no key gives 0; a
-sequence without queries writes nothing. The kernels are the mma path's with the ``VARLEN``
-switch (kernel.json ``features``: ``varlen``); every export carries one per variant.
+sequence without queries writes nothing. The kernels are the mma or wgmma path's with the
+``VARLEN`` switch (kernel.json ``features``: ``varlen``); every export carries one per variant.
+A kernel that loads by TMA gets its tensor maps over the packed tensors as one batch of all
+their tokens (``packed_view``): a sequence's tiles start at its offset row.
 
 The offsets are read once per call (one small copy to the host) and checked: starting at 0, not
 decreasing, ending at q's and k's token counts, no sequence longer than its max_seqlen. While a
@@ -158,6 +160,12 @@ def _zero_output(q: Any, k: Any, v: Any) -> Any:
     return torch.zeros_like(q)
 
 
+def packed_view(t: Any) -> Any:
+    """A packed (tokens, heads, head_dim) tensor as the (batch, heads, seq, head_dim) tensor a
+    tensor map describes: one batch of every token (a view, same data)."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
 def _strides(t: Any) -> tuple[int, int, int]:
     """(batch, head, row) element strides of a packed (tokens, heads, head_dim) tensor: batch 0,
     a dimension of size 1 0 (never stepped)."""
@@ -205,7 +213,7 @@ class VarlenLauncher:
         heads_kv = int(k.shape[1])
         if total_q == 0 or batch == 0 or heads == 0 or q.is_meta:
             return Plan(_empty_output)
-        if max_seqlen_q == 0:   # no sequence has a query row (the offsets, where read, say so too)
+        if max_seqlen_q == 0 or int(k.shape[0]) == 0:   # no query row, or no key for any (the offsets say so too)
             return Plan(_zero_output)
         if batch * heads > MAX_GRID_ROWS:
             raise ValueError(f"{WHO}: batch * heads = {batch * heads} exceeds the grid's {MAX_GRID_ROWS} (the kernels "
@@ -220,8 +228,12 @@ class VarlenLauncher:
         cid = table.choose(dtype, head_dim, causal, batch, heads, max_seqlen_q, max_seqlen_k, heads_kv)
         spec = select_kernel(launcher.data.kernels, (dtype, head_dim, causal), cid,
                              table.variants[(dtype, head_dim, causal)].fallback, features.needed(causal))
+        try:
+            maps, map_at, keep = launcher._encode_maps(spec, *(packed_view(t) for t in (q, k, v, out_meta)))
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("attention:", f"{WHO}:", 1)) from None
         return launcher.plan_launches(spec, q.get_device(), (batch, heads, heads_kv, max_seqlen_q, max_seqlen_k, head_dim),
-                                      strides, scale, features=features)
+                                      strides, scale, features=features, maps=maps, map_at=map_at, keep=keep)
 
     def _make_forward(self) -> Callable[..., Any]:
         plan_of, counts, capturing = self.plan, self.fallbacks, CAPTURING
