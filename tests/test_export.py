@@ -397,10 +397,11 @@ def test_a_fallback_invalid_at_a_head_dim_is_left_out_there_with_a_note(tmp_path
 
 
 def test_a_head_dim_measured_causal_only_gets_a_plain_kernel_for_full_calls(tmp_path: Path) -> None:
-    export_runs([_two_dims_run(tmp_path / "run", 96, [True])], tmp_path / "out")
+    """D256 causal measured, the fallback (WG128) invalid at D256: full D256 calls get the mma kernel."""
+    export_runs([_two_dims_run(tmp_path / "run", 256, [True])], tmp_path / "out")
     info = json.loads((tmp_path / "out" / "kernel.json").read_text())
-    full96 = [k for k in info["kernels"] if (k["head_dim"], k["causal"]) == (96, False)]
-    assert {k["config"] for k in full96} == {MMA_PAD.key()}
-    assert any(not SWITCHED & set(k["features"]) for k in full96) and any(SWITCHED & set(k["features"]) for k in full96)
+    full256 = [k for k in info["kernels"] if (k["head_dim"], k["causal"]) == (256, False)]
+    assert {k["config"] for k in full256} == {MMA_PAD.key()}
+    assert any(not SWITCHED & set(k["features"]) for k in full256) and any(SWITCHED & set(k["features"]) for k in full256)
     module = load_module(tmp_path / "out")
-    assert module.dispatch("fp16", 96, False, 1, 8, 512, 512) == MMA_PAD.key()
+    assert module.dispatch("fp16", 256, False, 1, 8, 512, 512) == MMA_PAD.key()
