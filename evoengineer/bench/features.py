@@ -87,10 +87,9 @@ class FeatureRow:
     @property
     def offsets(self) -> list[int]:
         """varlen: the packed sequences' offsets (batch + 1)."""
-        out = [0]
-        for n in self.lengths:
-            out.append(out[-1] + n)
-        return out
+        from ..runtime.varlen import offsets_of
+
+        return offsets_of(self.lengths)
 
     @property
     def tokens(self) -> int:
@@ -207,7 +206,6 @@ def accepts(fn: Callable[..., Any], name: str) -> bool:
 def sdpa_calls(row: FeatureRow, sets: list[tuple], shared: RowTensors) -> dict[str, Callable[..., Any]]:
     """``sdpa`` (the equivalent call, where SDPA has one) and ``sdpa floor`` (the plain causal
     call, on rows with a feature SDPA expresses only as a mask or not at all)."""
-    import torch
     import torch.nn.functional as F
 
     calls: dict[str, Callable[..., Any]] = {}
@@ -216,16 +214,10 @@ def sdpa_calls(row: FeatureRow, sets: list[tuple], shared: RowTensors) -> dict[s
         mask = shared.mask
         calls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, *repeated[id(q)], attn_mask=mask)
     elif row.feature == "varlen":
-        spans = list(zip(row.offsets[:-1], row.offsets[1:]))
-        gqa = row.gqa
+        from ..runtime.varlen import sdpa_per_sequence
 
-        def per_sequence(q: Any, k: Any, v: Any) -> Any:
-            outs = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
-                                                   is_causal=True, enable_gqa=gqa)[0].transpose(0, 1)
-                    for a, b in spans]
-            return torch.cat(outs)
-
-        calls["sdpa"] = per_sequence
+        offsets = list(row.offsets)
+        calls["sdpa"] = lambda q, k, v: sdpa_per_sequence(q, k, v, offsets, offsets, True)
     elif row.feature == "plain":
         calls["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=row.gqa)
     if row.floor:

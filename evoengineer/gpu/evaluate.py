@@ -38,6 +38,12 @@ length (decode): one query over K/V lengths that are not multiples of any tile, 
 queries over a longer cache."""
 EDGE_GQA_KV = ((2, 8, 2, 1, 77),)
 """(batch, heads, K/V heads, seq, K/V length): grouped-query decode, gated where a variant has both."""
+EDGE_LENGTHS = ((2, (1,)), (3, (77, 1, 5, 257)), (2, (130, 64)))
+"""(heads, lengths) of the packed edge shapes a variant of packed sequences is gated on instead of
+``EDGE_SEQS``: one token, lengths that are not multiples of any tile, a one-token sequence between
+longer ones, a whole tile after a partial one."""
+EDGE_GQA_LENGTHS = ((8, 2, (77, 1, 130)),)
+"""(heads, K/V heads, lengths): packed grouped-query edge shapes, where a variant's shapes have grouped heads."""
 HANDLER = "evoengineer.gpu.evaluate:handle"
 
 
@@ -76,6 +82,12 @@ def gate_cases(space: Space, variant: Variant) -> list[Case]:
     d, causal, dtype = variant.head_dim, variant.causal, variant.dtype
     # a variant with features: the edge shapes with the first case's soft cap and window
     extra = {"softcap": cases[0].softcap, "window": cases[0].window} if cases and variant.features else {}
+    if "varlen" in variant.features:  # packed sequences: packed edge shapes
+        cases += [Case(len(n), h, max(n), d, causal, dtype=dtype, lengths=n, **extra) for h, n in EDGE_LENGTHS]
+        if gqa:
+            cases += [Case(len(n), h, max(n), d, causal, heads_kv=kv, dtype=dtype, lengths=n, **extra)
+                      for h, kv, n in EDGE_GQA_LENGTHS]
+        return list(dict.fromkeys(cases))
     cases += [Case(b, h, s, d, causal, dtype=dtype, **extra) for b, h, s in EDGE_SEQS]
     if gqa:
         cases += [Case(b, h, s, d, causal, heads_kv=kv, dtype=dtype, **extra) for b, h, kv, s in EDGE_GQA]
@@ -160,16 +172,27 @@ def _load_kernel(rendered: Rendered, cubin_path: str) -> Any:
 
 
 def _random_inputs(case: Case, seed: int) -> tuple[Any, Any, Any]:
-    """q (B, H, S, D), k and v (B, H_kv, S_kv, D), standard normal in the case's dtype."""
+    """q (B, H, S, D), k and v (B, H_kv, S_kv, D), standard normal in the case's dtype; packed
+    sequences: q (tokens, H, D), k and v (tokens, H_kv, D)."""
     import torch
 
     from .launch import torch_dtype
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dtype = torch_dtype(case.dtype)
-    shapes = [(case.batch, heads, seq, case.head_dim)
-              for heads, seq in ((case.heads, case.seq), (case.heads_kv, case.seq_kv), (case.heads_kv, case.seq_kv))]
+    if case.lengths:
+        shapes = [(case.tokens, heads, case.head_dim) for heads in (case.heads, case.heads_kv, case.heads_kv)]
+    else:
+        shapes = [(case.batch, heads, seq, case.head_dim)
+                  for heads, seq in ((case.heads, case.seq), (case.heads_kv, case.seq_kv), (case.heads_kv, case.seq_kv))]
     return tuple(torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for shape in shapes)  # type: ignore[return-value]
+
+
+def case_offsets(case: Case) -> list[int]:
+    """The packed sequences' offsets of a case (``runtime.varlen.offsets_of``; queries and keys alike)."""
+    from ..runtime.varlen import offsets_of
+
+    return offsets_of(case.lengths)
 
 
 def case_features(case: Case) -> dict[str, Any]:
@@ -179,14 +202,34 @@ def case_features(case: Case) -> dict[str, Any]:
     return {"softcap": case.softcap, "window_left": case.window[0], "window_right": case.window[1]}
 
 
+def launch_arguments(case: Case, device: Any = "cuda") -> dict[str, Any]:
+    """The keywords of a case's launches: its feature arguments, and for packed sequences their
+    offsets as int32 on ``device`` (``launch.Packed``)."""
+    extra: dict[str, Any] = {"features": case_features(case)} if case.features else {}
+    if case.lengths:
+        import torch
+
+        from .launch import Packed
+
+        offsets = torch.tensor(case_offsets(case), dtype=torch.int32, device=device)
+        extra["packed"] = Packed(offsets, offsets, case.seq, case.seq_kv)
+    return extra
+
+
 def case_reference(q: Any, k: Any, v: Any, case: Case, scale: float | None) -> Any:
-    """The fp32 reference of a case: ``reference``, or for a case with a soft cap or a window the
-    runtime's explicit-mask computation (``runtime.features.reference_attention``)."""
+    """The fp32 reference of a case: ``reference``, for a case with a soft cap or a window the
+    runtime's explicit-mask computation (``runtime.features.reference_attention``), for packed
+    sequences the runtime's per-sequence one (``runtime.varlen.reference_varlen``)."""
     if not case.features:
         return reference(q, k, v, case.causal, scale)
     from ..runtime.features import CallFeatures, reference_attention
 
-    features = CallFeatures(case.window[0], case.window[1], case.softcap)
+    features = CallFeatures(case.window[0], case.window[1], case.softcap, varlen=bool(case.lengths))
+    if case.lengths:
+        from ..runtime.varlen import reference_varlen
+
+        offsets = case_offsets(case)
+        return reference_varlen(q.float(), k.float(), v.float(), offsets, offsets, case.causal, scale, features)
     return reference_attention(q.float(), k.float(), v.float(), case.causal, scale, True, features)
 
 
@@ -207,13 +250,13 @@ def gate_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
     import torch
 
     worst_abs, worst_l2 = 0.0, 0.0
+    extra = launch_arguments(case)
     for trial in range(trials):
         q, k, v = _random_inputs(case, seed + trial)
         ref = case_reference(q, k, v, case, scale)
         originals = (q.clone(), k.clone(), v.clone())
         out = torch.full_like(q, float("nan"))
         torch.cuda.synchronize()
-        extra = {"features": case_features(case)} if case.features else {}
         try:
             launcher(q, k, v, out, scale, **extra)
         except _KernelFault:
@@ -244,7 +287,10 @@ def _gate_job(launcher: Any, job: dict) -> dict:
 
 
 def input_set_bytes(case: Case) -> int:
-    """Bytes of one input set: q and out (B, H, S, D), k and v (B, H_kv, S_kv, D), 16-bit elements."""
+    """Bytes of one input set: q and out (B, H, S, D), k and v (B, H_kv, S_kv, D), 16-bit elements
+    (packed sequences: their tokens for B * S and B * S_kv)."""
+    if case.lengths:
+        return 2 * 2 * case.tokens * case.head_dim * (case.heads + case.heads_kv)
     return 2 * 2 * case.batch * case.head_dim * (case.heads * case.seq + case.heads_kv * case.seq_kv)
 
 
@@ -275,7 +321,7 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
     import torch
 
     sets = input_sets(case, timing["flush_l2"], seed)
-    extra = {"features": case_features(case)} if case.features else {}
+    extra = launch_arguments(case)
     ops = [lambda s=s: launcher(s[0], s[1], s[2], s[3], scale, **extra) for s in sets]
     expected = None
     if tolerance is not None:
@@ -318,15 +364,20 @@ def _time_job(launcher: Any, job: dict) -> dict:
     return {"status": "ok", "time": timed, "tflops": case.flops() / (timed["median_us"] * 1e-6) / 1e12}
 
 
-def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> Callable[[], Any]:
+def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | None,
+            offsets: list[int] | None = None) -> Callable[[], Any]:
     """One call of attention on (B, H, S, D) inputs: an SDPA backend forced (``SDPA_BACKENDS``),
     SDPA as the user calls it with torch's own backend choice (``default``), or a peer
     library (``fa4``: flash-attn-4's ``flash_attn.cute``, timed on (B, S, H, D) copies).
-    k and v with fewer heads than q: SDPA with ``enable_gqa=True``; flash-attn takes them as they are."""
+    k and v with fewer heads than q: SDPA with ``enable_gqa=True``; flash-attn takes them as they are.
+    ``offsets``: q, k and v are packed sequences (tokens, heads, D) of these offsets: SDPA per
+    sequence (``runtime.varlen.sdpa_per_sequence``), or flash-attn-4's varlen call."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    if offsets is not None:
+        return _packed_sdpa_op(backend, q, k, v, causal, scale, offsets)
     if backend == "default":
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
     if backend == "fa4":
@@ -344,6 +395,33 @@ def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | N
     return op
 
 
+def _packed_sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | None,
+                    offsets: list[int]) -> Callable[[], Any]:
+    """``sdpa_op`` of packed sequences."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ..runtime.varlen import sdpa_per_sequence
+
+    if backend == "fa4":
+        from flash_attn.cute import flash_attn_varlen_func
+
+        cu = torch.tensor(offsets, dtype=torch.int32, device=q.device)
+        longest = max(b - a for a, b in zip(offsets, offsets[1:]))
+        return lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                              max_seqlen_k=longest, softmax_scale=scale, causal=causal)
+    if backend == "default":
+        return lambda: sdpa_per_sequence(q, k, v, offsets, offsets, causal, scale)
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+
+    def op() -> Any:
+        with sdpa_kernel([chosen]):
+            return sdpa_per_sequence(q, k, v, offsets, offsets, causal, scale)
+
+    return op
+
+
 def _sdpa_job(job: dict) -> dict:
     import torch
 
@@ -352,7 +430,8 @@ def _sdpa_job(job: dict) -> dict:
     sets = input_sets(case, job["timing"]["flush_l2"], job["seed"])
     for backend in job["backends"]:
         try:
-            ops = [sdpa_op(backend, q, k, v, case.causal, job["scale"]) for q, k, v, _ in sets]
+            offsets = case_offsets(case) if case.lengths else None
+            ops = [sdpa_op(backend, q, k, v, case.causal, job["scale"], offsets) for q, k, v, _ in sets]
             timed = _time_ops(ops, job["timing"]).to_json()
             out[backend] = {"status": "ok", "time": timed, "tflops": case.flops() / (timed["median_us"] * 1e-6) / 1e12}
         except Exception as exc:  # noqa: BLE001 - a backend that does not support the shape is a row, not a crash

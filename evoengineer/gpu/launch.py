@@ -28,6 +28,21 @@ class LaunchError(RuntimeError):
     """The tensors do not fit the kernel (dtype, device, layout, alignment)."""
 
 
+@dataclass(frozen=True)
+class Packed:
+    """Packed variable-length sequences of a launch (``runtime.varlen``'s layout): int32 offsets
+    (batch + 1) on the tensors' device and the longest query and key counts."""
+
+    cu_seqlens_q: Any
+    cu_seqlens_k: Any
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return int(self.cu_seqlens_q.shape[0]) - 1
+
+
 @dataclass
 class AttentionKernel:
     """A rendered + compiled kernel, loaded into the current CUDA context."""
@@ -49,7 +64,7 @@ class AttentionKernel:
         self._maps = MapStorage(len(self.rendered.tensor_maps)) if self.rendered.tensor_maps else None
         self._slots: dict[Any, int] = {}
 
-    def splits(self, q: Any, k: Any) -> int:
+    def splits(self, q: Any, k: Any, packed: Packed | None = None) -> int:
         """The K/V split count of a call on these tensors: ``runtime.grid.call_splits`` on whole
         waves of this kernel's resident CTAs on q's device (what an export runs for the same shape);
         1 for a kernel without a per-call split."""
@@ -65,8 +80,8 @@ class AttentionKernel:
             with cupy.cuda.Device(q.get_device()):
                 slots = self._slots[q.device] = multiprocessors(q.device) * resident_ctas(
                     int(fn.kernel.ptr), launch.threads, launch.smem)
-        batch, heads, seq_q = q.shape[0], q.shape[1], q.shape[2]
-        return call_splits(self.rendered.launches, batch, heads, k.shape[1], seq_q, k.shape[2], slots)
+        batch, heads, heads_kv, seq_q, seq_k = dimensions(q, k, packed)
+        return call_splits(self.rendered.launches, batch, heads, heads_kv, seq_q, seq_k, slots)
 
     def check(self, q: Any, k: Any, v: Any, out: Any) -> None:
         """Raise LaunchError unless the tensors fit this kernel: q and out (B, H, S_q, D), k and v
@@ -100,24 +115,60 @@ class AttentionKernel:
             except TensorMapError as exc:
                 raise LaunchError(str(exc)) from None
 
+    def check_packed(self, q: Any, k: Any, v: Any, out: Any, packed: Packed) -> None:
+        """Raise LaunchError unless the kernel takes packed sequences and the tensors fit it: q and
+        out (total_q, H, D), k and v (total_k, H_kv, D), offsets int32 (batch + 1) on their device."""
+        from ..runtime.varlen import packed_strides
+
+        variant = self.rendered.variant
+        if "varlen" not in self.rendered.features:
+            raise LaunchError("the kernel takes no packed sequences (rendered without VARLEN)")
+        if self.rendered.tensor_maps:
+            raise LaunchError("a kernel loading by TMA takes no packed sequences")
+        want = torch_dtype(variant.dtype)
+        for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+            if t.dtype != want or not t.is_cuda or t.dim() != 3 or t.shape[-1] != variant.head_dim or t.stride(-1) != 1:
+                raise LaunchError(f"{name}: expected a contiguous-row CUDA {str(want).replace('torch.', '')} tensor "
+                                  f"(tokens, heads, {variant.head_dim}), got {t.dtype} {tuple(t.shape)}")
+            if t.data_ptr() % 16 or any(x % 8 for x in packed_strides(t)):
+                raise LaunchError(f"{name}: needs a 16-byte aligned base and strides that are multiples of 8 elements")
+        if k.shape != v.shape or out.shape != q.shape or q.shape[1] % k.shape[1]:
+            raise LaunchError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                              f"out {tuple(out.shape)}")
+        for name, t in (("cu_seqlens_q", packed.cu_seqlens_q), ("cu_seqlens_k", packed.cu_seqlens_k)):
+            if str(t.dtype) != "torch.int32" or t.dim() != 1 or t.shape[0] != packed.batch + 1 or t.device != q.device:
+                raise LaunchError(f"{name}: expected int32 ({packed.batch + 1},) on {q.device}, got {t.dtype} "
+                                  f"{tuple(t.shape)} on {t.device}")
+
     def __call__(self, q: Any, k: Any, v: Any, out: Any, scale: float | None = None, *, checked: bool = True,
-                 workspace: Any = None, features: dict[str, Any] | None = None) -> Any:
+                 workspace: Any = None, features: dict[str, Any] | None = None, packed: Packed | None = None) -> Any:
         """Run attention(q, k, v) into ``out`` on torch's current stream; returns ``out``.
         k and v may have fewer heads than q (grouped-query attention, as SDPA's ``enable_gqa``).
         ``workspace``: a caller's float32 CUDA tensor of at least the declared workspace, passed as
         ``WS`` instead of the kernel's own (a ``WRITE_LSE`` forward leaves the row log-sum-exp there).
         ``features``: values of the arguments of a kernel with compile-time features (``softcap``,
         ``window_left``, ``window_right``, tensors ``seqlens_k``, ``leftpad_k``; a ``varlen``
-        kernel's ``cu_seqlens_q``, ``cu_seqlens_k`` stay null here: the dense layout); left out: off."""
+        kernel's ``cu_seqlens_q``, ``cu_seqlens_k`` are null, the dense layout, unless ``packed``);
+        left out: off. ``packed``: q, k, v and out are packed sequences (tokens, heads, head_dim),
+        launched as ``runtime.varlen`` launches them (batch strides 0, S_q and S_k the longest)."""
         import cupy
         import torch
 
         if checked:
-            self.check(q, k, v, out)
-        batch, heads, seq_q, head_dim = q.shape
-        seq_k = k.shape[2]
+            self.check(q, k, v, out) if packed is None else self.check_packed(q, k, v, out, packed)
+        batch, heads, heads_kv, seq_q, seq_k = dimensions(q, k, packed)
+        head_dim = q.shape[-1]
+        if packed is None:
+            strides = [t.stride()[:3] for t in (q, k, v, out)]
+        else:
+            from ..runtime.varlen import packed_strides
+
+            if self._maps is not None:
+                raise LaunchError("a kernel loading by TMA takes no packed sequences")
+            strides = [packed_strides(t) for t in (q, k, v, out)]
+            features = {**(features or {}), "cu_seqlens_q": packed.cu_seqlens_q, "cu_seqlens_k": packed.cu_seqlens_k}
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        splits = self.splits(q, k)
+        splits = self.splits(q, k, packed)
         ws_floats = self.rendered.workspace_floats(batch, heads, seq_q, splits)
         ws_ptr = 0
         if workspace is not None:
@@ -148,8 +199,8 @@ class AttentionKernel:
         args = (
             cupy.uint64(q.data_ptr()), cupy.uint64(k.data_ptr()), cupy.uint64(v.data_ptr()), cupy.uint64(out.data_ptr()),
             cupy.uint64(ws_ptr),
-            cupy.int32(batch), cupy.int32(heads), cupy.int32(k.shape[1]), cupy.int32(seq_q), cupy.int32(seq_k),
-            *(cupy.int64(s) for t in (q, k, v, out) for s in t.stride()[:3]),
+            cupy.int32(batch), cupy.int32(heads), cupy.int32(heads_kv), cupy.int32(seq_q), cupy.int32(seq_k),
+            *(cupy.int64(s) for group in strides for s in group),
             cupy.float32(scale * LOG2E),
             *({"ptr": cupy.uint64, "i32": cupy.int32, "f32": cupy.float32}[kind](extra[name])
               for feature in self.rendered.features for name, kind in FEATURE_ARGS[feature]),
@@ -159,7 +210,7 @@ class AttentionKernel:
             for launch, fn in zip(self.rendered.launches, self._functions):
                 if not runs(launch, splits):
                     continue
-                grid = launch.grid(batch, heads, seq_q, multiprocessors(q.device), heads_kv=k.shape[1], splits=splits)
+                grid = launch.grid(batch, heads, seq_q, multiprocessors(q.device), heads_kv=heads_kv, splits=splits)
                 fn(grid, launch.block, args, shared_mem=launch.smem)
         return out
 
@@ -191,6 +242,14 @@ class AttentionKernel:
                 cupy.cuda.driver.launchKernel(fn.kernel.ptr, *grid, *launch.block, launch.smem,
                                               stream, packed.address, 0)
         return out
+
+
+def dimensions(q: Any, k: Any, packed: Packed | None = None) -> tuple[int, int, int, int, int]:
+    """(B, H, H_kv, S_q, S_k) a launch passes: q's and k's (batch, heads, seq), or for packed
+    sequences their count and the longest lengths."""
+    if packed is None:
+        return int(q.shape[0]), int(q.shape[1]), int(k.shape[1]), int(q.shape[2]), int(k.shape[2])
+    return packed.batch, int(q.shape[1]), int(k.shape[1]), int(packed.max_seqlen_q), int(packed.max_seqlen_k)
 
 
 @functools.lru_cache(maxsize=None)

@@ -91,3 +91,10 @@ def head_dims_rule(path: str, dims: tuple[int, ...]) -> Rule:
     """``<path>.head-dims``: every head dim of the space is one of ``dims``."""
     return rule(path, "head-dims", f"the {path} path holds head dims {', '.join(map(str, dims))}", "",
                 lambda c: all(d in dims for d in scope_head_dims(c)))
+
+
+def features_rule(path: str, held: tuple[str, ...]) -> Rule:
+    """``<path>.features``: the path holds every kernel feature the space's shapes need
+    (``FEATURES``: soft-capping, a window, packed sequences; a scope without it needs none)."""
+    return rule(path, "features", f"the {path} path holds the features {', '.join(held) or 'none'}", "",
+                lambda c: set(c.get("FEATURES", ())) <= set(held))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..runtime.grid import MAX_SPLITS, decode_splits
-from .base import KernelPath, Scope, head_dims_rule, rule, scope_head_dims
+from .base import KernelPath, Scope, features_rule, head_dims_rule, rule, scope_head_dims
 
 NAME = "mma"
 PARAMS = ("BLOCK_M", "BLOCK_N", "WARPS", "VEC", "STAGES", "SMEM_LAYOUT", "Q_IN_REGS", "P_IN_REGS", "SPLITS",
@@ -39,6 +39,7 @@ def smem_bytes(c: Scope, head_dim: int) -> int:
 
 RULES = (
     head_dims_rule(NAME, HEAD_DIMS),
+    features_rule(NAME, FEATURES),
     rule(NAME, "warps", "no more warps than the tile has 16-row groups, times the K/V groups", "BLOCK_M WARPS KV_GROUPS",
          lambda c: c["WARPS"] <= c["KV_GROUPS"] * (c["BLOCK_M"] // 16)),
     rule(NAME, "rows", "each K/V group's warps cover the tile's rows, one or two 16-row strips per warp; "

@@ -1,11 +1,13 @@
 """The scalar path: one thread per (row, column slice), fp32 FMAs, no tensor cores."""
 from __future__ import annotations
 
-from .base import KernelPath, Scope, head_dims_rule, rule
+from .base import KernelPath, Scope, features_rule, head_dims_rule, rule
 
 NAME = "scalar"
 PARAMS = ("BLOCK_M", "BLOCK_N", "WARPS", "VEC")
 HEAD_DIMS = (64, 128)
+FEATURES: tuple[str, ...] = ()
+"""The compile-time features the template holds (none)."""
 
 
 def smem_bytes(c: Scope, head_dim: int) -> int:
@@ -18,6 +20,7 @@ def smem_bytes(c: Scope, head_dim: int) -> int:
 
 RULES = (
     head_dims_rule(NAME, HEAD_DIMS),
+    features_rule(NAME, FEATURES),
     rule(NAME, "warps", "no more warps than the tile has rows", "BLOCK_M WARPS",
          lambda c: c["WARPS"] <= c["BLOCK_M"]),
     rule(NAME, "vec", "the vector width divides the head dimension", "VEC",
@@ -27,4 +30,4 @@ RULES = (
 )
 
 PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=lambda c: 32 * c["WARPS"], rows_per_cta=lambda c: c["BLOCK_M"],
-                  head_dims=HEAD_DIMS)
+                  head_dims=HEAD_DIMS, features=FEATURES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import KernelPath, Scope, head_dims_rule, rule, scope_head_dims
+from .base import KernelPath, Scope, features_rule, head_dims_rule, rule, scope_head_dims
 
 NAME = "wgmma"
 PARAMS = ("BLOCK_M", "BLOCK_N", "STAGES", "Q_IN_REGS", "CONSUMER_WGS", "PRODUCER", "REG_PRODUCER", "REG_CONSUMER",
@@ -88,6 +88,7 @@ def _setmaxnreg_ok(c: Scope) -> bool:
 
 RULES = (
     head_dims_rule(NAME, HEAD_DIMS),
+    features_rule(NAME, FEATURES),
     rule(NAME, "panel-head-dims", "a head dim that is not a multiple of 64 needs LOAD tma (the kernel computes "
          "the next multiple of 64 from the zeros the TMA reads past the head dim)", "LOAD",
          lambda c: c["LOAD"] == "tma" or all(d % 64 == 0 for d in scope_head_dims(c))),

@@ -1,11 +1,13 @@
 """The wmma path: 16x16x16 WMMA fragments for Q K^T and P V, scores through shared memory."""
 from __future__ import annotations
 
-from .base import KernelPath, Scope, head_dims_rule, rule
+from .base import KernelPath, Scope, features_rule, head_dims_rule, rule
 
 NAME = "wmma"
 PARAMS = ("BLOCK_M", "BLOCK_N", "WARPS", "VEC")
 HEAD_DIMS = (64, 128)
+FEATURES: tuple[str, ...] = ()
+"""The compile-time features the template holds (none)."""
 
 
 def smem_bytes(c: Scope, head_dim: int) -> int:
@@ -16,6 +18,7 @@ def smem_bytes(c: Scope, head_dim: int) -> int:
 
 RULES = (
     head_dims_rule(NAME, HEAD_DIMS),
+    features_rule(NAME, FEATURES),
     rule(NAME, "warps", "no more warps than the tile has 16-row groups", "BLOCK_M WARPS",
          lambda c: c["WARPS"] <= c["BLOCK_M"] // 16),
     rule(NAME, "rows-per-warp", "a WMMA warp holding more than two 16-row groups of accumulators spills kilobytes "
@@ -27,4 +30,4 @@ RULES = (
 )
 
 PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=lambda c: 32 * c["WARPS"], rows_per_cta=lambda c: c["BLOCK_M"],
-                  head_dims=HEAD_DIMS)
+                  head_dims=HEAD_DIMS, features=FEATURES)

@@ -52,11 +52,19 @@ class Shape:
     head_dim: int
     causal: bool
     features: tuple[str, ...] = ()
-    """Kernel features the case needs (soft-capping, a window): its winner ships a kernel with them."""
+    """Kernel features the case needs (soft-capping, a window, packed sequences): its winner ships a
+    kernel with them."""
+    lengths: tuple[int, ...] = ()
+    """Packed sequences' lengths (``batch`` of them, ``seq_q`` and ``seq_k`` the longest); empty: dense."""
 
     @property
     def variant_key(self) -> tuple[str, int, bool]:
         return (self.dtype, self.head_dim, self.causal)
+
+    @property
+    def varlen(self) -> bool:
+        """A case on packed sequences: calls of ``attention_varlen`` dispatch among these."""
+        return bool(self.lengths)
 
     def point(self) -> tuple[float, float, float, float]:
         """The coordinates the dispatch distance is measured in."""
@@ -65,6 +73,8 @@ class Shape:
     def label(self) -> str:
         heads = f"H{self.heads}" + (f"/{self.heads_kv}" if self.heads_kv != self.heads else "")
         seq = f"S{self.seq_q}" if self.seq_q == self.seq_k else f"S{self.seq_q}/{self.seq_k}"
+        if self.lengths:
+            seq = f"varlen {min(self.lengths)}..{max(self.lengths)} T{sum(self.lengths)}"
         return f"B{self.batch} {heads} {seq} D{self.head_dim}{' causal' if self.causal else ''} {self.dtype}"
 
 
@@ -72,7 +82,8 @@ def nearest(cases: Sequence[tuple[Shape, str]], shape: Shape) -> str | None:
     """The configuration of the case of ``shape``'s variant that serves ``shape`` by the exports'
     rule (``DISPATCH_RULE``), or None when the variant has no case."""
     pool = [(case, config_id) for case, config_id in cases if case.variant_key == shape.variant_key]
-    index = nearest_index([case for case, _ in pool], shape.batch, shape.heads, shape.heads_kv, shape.seq_q, shape.seq_k)
+    index = nearest_index([case for case, _ in pool], shape.batch, shape.heads, shape.heads_kv, shape.seq_q, shape.seq_k,
+                          shape.varlen)
     return None if index is None else pool[index][1]
 
 
@@ -104,6 +115,7 @@ def case_shape(case: Case, space: Space) -> Shape:
         head_dim=case.head_dim,
         causal=bool(case.causal),
         features=tuple(getattr(case, "features", ())),
+        lengths=tuple(getattr(case, "lengths", ())),
     )
 
 

@@ -53,11 +53,12 @@ class ExportedAttention:
         return cls(read_kernel_file(path))
 
     def dispatch(self, dtype: Any, head_dim: int, causal: bool, batch: int, heads: int, seq_q: int, seq_k: int,
-                 heads_kv: int | None = None) -> str:
+                 heads_kv: int | None = None, varlen: bool = False) -> str:
         """The configuration id (a key of ``configs``) that serves such a call (``dispatch.RULE``).
-        ``dtype``: 'fp16', 'bf16' or a torch dtype."""
+        ``dtype``: 'fp16', 'bf16' or a torch dtype; ``varlen``: an ``attention_varlen`` call of
+        ``batch`` sequences, ``seq_q`` and ``seq_k`` the longest."""
         name = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype, str(dtype))
-        return self.table.choose(name, head_dim, causal, batch, heads, seq_q, seq_k, heads_kv)
+        return self.table.choose(name, head_dim, causal, batch, heads, seq_q, seq_k, heads_kv, varlen)
 
     def dispatch_backward(self, dtype: Any, head_dim: int, causal: bool, batch: int, heads: int, seq_q: int,
                           seq_k: int, heads_kv: int | None = None, deterministic: bool = False) -> str:

@@ -127,6 +127,14 @@ def check_offsets(cu_seqlens_q: Any, cu_seqlens_k: Any, total_q: int, total_k: i
     return offsets_q, offsets_k
 
 
+def offsets_of(lengths: Any) -> list[int]:
+    """The offsets (``cu_seqlens``, batch + 1) of packed sequences of these lengths."""
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + int(n))
+    return offsets
+
+
 # -- the reference (the fallback) --------------------------------------------------------------------
 
 
@@ -149,6 +157,30 @@ def reference_varlen(q: Any, k: Any, v: Any, offsets_q: list[int], offsets_k: li
     return torch.cat(pieces) if pieces else q.new_zeros(q.shape)
 
 
+def sdpa_per_sequence(q: Any, k: Any, v: Any, offsets_q: list[int], offsets_k: list[int], is_causal: bool = False,
+                      scale: float | None = None) -> Any:
+    """SDPA sequence by sequence over packed q, k, v, outputs concatenated: what a caller without
+    packed kernels runs (grouped heads through ``enable_gqa``; causal through ``is_causal`` where a
+    sequence has as many keys as queries, else a bottom-right mask). Sequences without queries are
+    left out; every sequence needs a key."""
+    import torch.nn.functional as F
+
+    gqa = k.shape[1] != q.shape[1]
+    pieces = []
+    for b in range(len(offsets_q) - 1):
+        q0, q1, k0, k1 = offsets_q[b], offsets_q[b + 1], offsets_k[b], offsets_k[b + 1]
+        if q1 == q0:
+            continue
+        qs, ks, vs = (t[lo:hi].transpose(0, 1).unsqueeze(0) for t, lo, hi in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
+        mask, causal = None, bool(is_causal)
+        if causal and q1 - q0 != k1 - k0:
+            mask = allowed_keys(1, q1 - q0, k1 - k0, True, device=q.device, offset=(k1 - k0) - (q1 - q0))
+            causal = False
+        pieces.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale,
+                                                     enable_gqa=gqa)[0].transpose(0, 1))
+    return torch.cat(pieces) if pieces else q.new_zeros(q.shape)
+
+
 # -- the launches -------------------------------------------------------------------------------------
 
 
@@ -166,7 +198,7 @@ def packed_view(t: Any) -> Any:
     return t.transpose(0, 1).unsqueeze(0)
 
 
-def _strides(t: Any) -> tuple[int, int, int]:
+def packed_strides(t: Any) -> tuple[int, int, int]:
     """(batch, head, row) element strides of a packed (tokens, heads, head_dim) tensor: batch 0,
     a dimension of size 1 0 (never stepped)."""
     return (0, 0 if t.shape[1] == 1 else t.stride(1), 0 if t.shape[0] == 1 else t.stride(0))
@@ -219,13 +251,13 @@ class VarlenLauncher:
             raise ValueError(f"{WHO}: batch * heads = {batch * heads} exceeds the grid's {MAX_GRID_ROWS} (the kernels "
                              "put one (sequence, head) per grid row); split the batch")
         out_meta = torch.empty_like(q, device="meta")
-        strides = (_strides(q), _strides(k), _strides(v), _strides(out_meta))
+        strides = (packed_strides(q), packed_strides(k), packed_strides(v), packed_strides(out_meta))
         if any(s % 8 for group in strides for s in group):
             raise ValueError(f"{WHO}: strides must be multiples of 8 elements (16 bytes), got q {tuple(q.stride())}, "
                              f"k {tuple(k.stride())}, v {tuple(v.stride())}; pass .contiguous() copies")
         dtype, causal = DTYPE_NAMES[q.dtype], bool(is_causal)
         table = launcher.table
-        cid = table.choose(dtype, head_dim, causal, batch, heads, max_seqlen_q, max_seqlen_k, heads_kv)
+        cid = table.choose(dtype, head_dim, causal, batch, heads, max_seqlen_q, max_seqlen_k, heads_kv, varlen=True)
         spec = select_kernel(launcher.data.kernels, (dtype, head_dim, causal), cid,
                              table.variants[(dtype, head_dim, causal)].fallback, features.needed(causal))
         try:

@@ -1,13 +1,14 @@
 """A search split where export decides: one partition per kernel the exported module picks by.
 
 An export dispatches a call by its (dtype, head dim, causal) and, within those, to the
-nearest measured case, decode calls (S_q 1) to decode cases only (``runtime.dispatch``). One
+nearest measured case, decode calls (S_q 1) to decode cases only, packed sequences' calls to
+packed cases only (``runtime.dispatch``). One
 geometric mean over every case of a space asks one configuration to serve them all: a
 configuration valid at one head dim only (a D64 tile too large for D128's registers) is not
 in the space's valid set at all, and one that is fast on one head dim but slow on another
 loses to a compromise. So a search by default partitions the space's cases by
 
-* ``head-dim``: (dtype, head dim, decode or not): each partition the space narrowed to its
+* ``head-dim``: (dtype, head dim, decode, packed sequences or neither): each partition the space narrowed to its
   cases, searched with its own valid set (``MAX_HEAD_DIM`` and ``MIN_HEAD_DIM`` are its head
   dim's), its own strategy state (its own Optuna study in the run's storage) and its share of
   the budget; its objective is the geometric mean over its cases. Causal and full attention
@@ -60,9 +61,10 @@ class Partition:
 def _name(case: Case, by: str) -> str:
     dtype = "" if case.dtype == "fp16" else f" {case.dtype}"  # as case labels: fp16 unnamed
     if by == "shape":
-        shape = Case(case.batch, case.heads, case.seq, case.head_dim, False, heads_kv=case.heads_kv, seq_kv=case.seq_kv)
+        shape = Case(case.batch, case.heads, case.seq, case.head_dim, False, heads_kv=case.heads_kv, seq_kv=case.seq_kv,
+                     lengths=case.lengths)
         return shape.label() + dtype
-    return f"D{case.head_dim}{' decode' if case.seq == 1 else ''}{dtype}"
+    return f"D{case.head_dim}{' decode' if case.seq == 1 and not case.lengths else ''}{' varlen' if case.lengths else ''}{dtype}"
 
 
 def split_cases(space: Space, by: str) -> list[tuple[str, Space]]:

@@ -80,6 +80,17 @@ class Target:
         return int(re.sub(r"\D", "", self.arch))
 
 
+def attended_pairs(sq: int, sk: int, causal: bool) -> float:
+    """(query, key) pairs one head of one sequence attends: S * S_KV, or with causal (top-left
+    aligned, as SDPA) S^2 / 2 when S <= S_KV and S_KV^2 / 2 + (S - S_KV) * S_KV when S > S_KV
+    (half of S^2 when they are equal)."""
+    if not causal:
+        return float(sq) * sk
+    if sq <= sk:
+        return sq * sq / 2.0
+    return sk * sk / 2.0 + float(sq - sk) * sk
+
+
 @dataclass(frozen=True)
 class Case:
     """One problem instance: batch, query heads, query length ``seq``, head dim, causal, K/V heads
@@ -98,12 +109,22 @@ class Case:
     """Logit soft-capping (0: none): scores become softcap * tanh(score * scale / softcap)."""
     window: tuple[int, int] = (-1, -1)
     """Sliding window (left, right) as flash-attn's window_size (-1: unlimited), aligned as causal."""
+    lengths: tuple[int, ...] = ()
+    """Packed variable-length sequences (``attention_varlen``; empty: the dense layout): each
+    sequence's query count, its key count the same; ``batch`` is their count, ``seq`` and
+    ``seq_kv`` the longest (the launch's S_q and S_k)."""
 
     def __post_init__(self) -> None:
         if self.heads_kv is None:
             object.__setattr__(self, "heads_kv", self.heads)
         if self.seq_kv is None:
             object.__setattr__(self, "seq_kv", self.seq)
+        if self.lengths:
+            object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+            longest = max(self.lengths)
+            if min(self.lengths) < 1 or (self.batch, self.seq, self.seq_kv) != (len(self.lengths), longest, longest):
+                raise ValueError(f"packed lengths {list(self.lengths)[:8]} must be >= 1, as many as the batch "
+                                 f"{self.batch}, the longest S = S_KV ({self.seq}, {self.seq_kv})")
         if self.heads_kv < 1 or self.heads % self.heads_kv:
             raise ValueError(f"K/V heads {self.heads_kv} must divide the query heads {self.heads}")
         if self.seq < 1 or self.seq_kv < 1:
@@ -115,7 +136,8 @@ class Case:
     def features(self) -> tuple[str, ...]:
         """The kernel features this case needs (sorted)."""
         window = self.window[0] >= 0 or (self.window[1] >= 0 and not self.causal)
-        return tuple(name for name, on in (("softcap", self.softcap > 0), ("window", window)) if on)
+        return tuple(name for name, on in (("softcap", self.softcap > 0), ("varlen", bool(self.lengths)),
+                                           ("window", window)) if on)
 
     @property
     def variant(self) -> Variant:
@@ -128,26 +150,31 @@ class Case:
 
     def label(self) -> str:
         """``B1 H8 S512 D64 causal``; GQA shows the K/V heads (``H32/8``), a K/V length other than
-        the query length follows it (``S1/4096``), bf16 adds `` bf16``."""
+        the query length follows it (``S1/4096``), bf16 adds `` bf16``. Packed sequences read
+        ``varlen 1..4099 T5116`` for S: the shortest and longest length and the tokens in all."""
         heads = f"{self.heads}" if self.heads_kv == self.heads else f"{self.heads}/{self.heads_kv}"
-        seq = f"{self.seq}" if self.seq_kv == self.seq else f"{self.seq}/{self.seq_kv}"
-        return (f"B{self.batch} H{heads} S{seq} D{self.head_dim}{' causal' if self.causal else ''}"
+        seq = f"S{self.seq}" if self.seq_kv == self.seq else f"S{self.seq}/{self.seq_kv}"
+        if self.lengths:
+            seq = f"varlen {min(self.lengths)}..{max(self.lengths)} T{sum(self.lengths)}"
+        return (f"B{self.batch} H{heads} {seq} D{self.head_dim}{' causal' if self.causal else ''}"
                 f"{'' if self.dtype == 'fp16' else ' ' + self.dtype}"
                 f"{f' softcap{self.softcap:g}' if self.softcap > 0 else ''}"
                 f"{f' window{self.window[0]},{self.window[1]}' if self.window != (-1, -1) else ''}")
 
+    @property
+    def tokens(self) -> int:
+        """Query rows of one call: B * S, or the packed sequences' lengths summed."""
+        return sum(self.lengths) if self.lengths else self.batch * self.seq
+
     def flops(self) -> float:
-        """Matmul FLOPs of the forward pass (QK^T and PV) over the (query, key) pairs attended:
-        S * S_KV, or with causal (top-left aligned, as SDPA) S^2 / 2 when S <= S_KV and
-        S_KV^2 / 2 + (S - S_KV) * S_KV when S > S_KV (half of S^2 when they are equal)."""
-        sq, sk = self.seq, self.seq_kv
-        if not self.causal:
-            pairs = float(sq) * sk
-        elif sq <= sk:
-            pairs = sq * sq / 2.0
+        """Matmul FLOPs of the forward pass (QK^T and PV) over the (query, key) pairs attended
+        (``attended_pairs``), per batch entry, or per sequence of packed ones (each with as many
+        keys as queries, where bottom-right and top-left alignment agree)."""
+        if self.lengths:
+            pairs = sum(attended_pairs(n, n, self.causal) for n in self.lengths)
         else:
-            pairs = sk * sk / 2.0 + float(sq - sk) * sk
-        return 4.0 * self.batch * self.heads * pairs * self.head_dim
+            pairs = self.batch * attended_pairs(self.seq, self.seq_kv, self.causal)
+        return 4.0 * self.heads * pairs * self.head_dim
 
     def backward_flops(self) -> float:
         """Matmul FLOPs of the backward pass: 2.5 times the forward's (five products against two,
@@ -373,6 +400,7 @@ class Space:
             "HEAD_DIMS": tuple(sorted(set(dims))),
             "MAX_HEAD_DIM": max(dims),
             "MIN_HEAD_DIM": min(dims),
+            "FEATURES": tuple(sorted({f for c in self.cases for f in c.features})),
         }
 
     def total_size(self) -> int:
@@ -446,13 +474,17 @@ class Space:
                 raise SpaceError(self.path, f"{key}.{p.name}", f"{values[p.name]!r} is not one of {list(p.values)}")
         return self.config(values)
 
-    def violations(self, config: Mapping[str, ParamValue], head_dim: int | None = None) -> list[str]:
+    def violations(self, config: Mapping[str, ParamValue], head_dim: int | None = None,
+                   features: Sequence[str] | None = None) -> list[str]:
         """Constraint texts that ``config`` breaks (empty when valid), the path's own rules first
         on a space written per path; with ``head_dim``, those it breaks in this space narrowed to
-        the shapes of that head dim."""
+        the shapes of that head dim; with ``features``, to shapes needing those kernel features
+        (``()``: a plain kernel)."""
         env = self.environment()
         if head_dim is not None:
             env.update(HEAD_DIMS=(head_dim,), MAX_HEAD_DIM=head_dim, MIN_HEAD_DIM=head_dim)
+        if features is not None:
+            env.update(FEATURES=tuple(sorted(features)))
         if not self.paths:
             env.update(config)
             return [c.text for c in self.constraints if not c.expression(env)]
@@ -594,7 +626,12 @@ _RECORDED_TOP = ("name", "description", "target", "problem", "params", "constrai
 KINDS = ("attention", "recorded")
 _TARGET_KEYS = ("name", "arch", "sms", "smem_per_block")
 _PROBLEM_KEYS = ("kind", "dtype", "scale", "shapes")
-_SHAPE_KEYS = ("B", "H", "H_KV", "S", "S_KV", "D", "causal", "softcap", "window")
+_SHAPE_KEYS = ("B", "H", "H_KV", "S", "S_KV", "D", "causal", "softcap", "window", "lengths")
+_LENGTHS_KEYS = ("count", "min", "max", "seed")
+MAX_SEQUENCES = 4096
+"""Packed sequences a shape may list or draw (``lengths``)."""
+MAX_LENGTH = 1 << 20
+"""The longest packed sequence a shape may name."""
 _TOL_KEYS = ("atol", "rtol", *DTYPES)
 _TIMING_KEYS = ("warmup", "repetitions", "min_repetitions", "precision", "race", "flush_l2", "timeout_s")
 _SEARCH_KEYS = ("strategy", "budget", "time", "top_k", "population", "seeds")
@@ -812,9 +849,9 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
         if "paths" not in root:
             v.fail("paths", f"the {template} template's space is written per path (paths: mma: ...)")
         if any(c.features for c in cases):
-            v.fail("problem.shapes", "the backward takes no soft cap or window")
+            v.fail("problem.shapes", "the backward takes no soft cap, window or packed sequences")
 
-    space_env_names = {"SMEM_LIMIT", "SMS", "ARCH", "ARCH_NAME", "HEAD_DIMS", "MAX_HEAD_DIM", "MIN_HEAD_DIM"}
+    space_env_names = {"SMEM_LIMIT", "SMS", "ARCH", "ARCH_NAME", "HEAD_DIMS", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "FEATURES"}
     path_spaces: tuple[PathSpace, ...] = ()
     if "paths" in root:
         params, path_spaces = _parse_paths(v, root.get("params"), root["paths"], root.get("constraints", []), space_env_names,
@@ -937,7 +974,8 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",),
     cases: list[Case] = []
     for i, item in enumerate(items):
         key = f"problem.shapes[{i}]"
-        s = v.mapping(item, key, _SHAPE_KEYS, required=("B", "H", "S", "D"))
+        s = v.mapping(item, key, _SHAPE_KEYS, required=("H", "D") if isinstance(item, dict) and "lengths" in item
+                      else ("B", "H", "S", "D"))
         d = v.integer(s["D"], f"{key}.D", minimum=1)
         if d not in head_dims:
             v.fail(f"{key}.D", f"head dim must be one of {list(head_dims)} (what this template's paths hold), got {d}")
@@ -945,8 +983,16 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",),
         heads_kv = v.integer(s.get("H_KV", heads), f"{key}.H_KV", minimum=1)
         if heads % heads_kv:
             v.fail(f"{key}.H_KV", f"K/V heads must divide the query heads H={heads}, got {heads_kv}")
-        seq = v.integer(s["S"], f"{key}.S", minimum=1)
-        seq_kv = v.integer(s.get("S_KV", seq), f"{key}.S_KV", minimum=1)
+        lengths: tuple[int, ...] = ()
+        if "lengths" in s:
+            lengths = _parse_lengths(v, s["lengths"], f"{key}.lengths")
+            for name in ("S", "S_KV"):
+                if name in s:
+                    v.fail(f"{key}.{name}", "a shape with lengths takes its sequence lengths from them; leave S and S_KV out")
+            if "B" in s and v.integer(s["B"], f"{key}.B", minimum=1) != len(lengths):
+                v.fail(f"{key}.B", f"expected the number of lengths ({len(lengths)}) or no B, got {s['B']}")
+        seq = max(lengths) if lengths else v.integer(s["S"], f"{key}.S", minimum=1)
+        seq_kv = seq if lengths else v.integer(s.get("S_KV", seq), f"{key}.S_KV", minimum=1)
         softcap = v.number(s["softcap"], f"{key}.softcap", positive=True) if "softcap" in s else 0.0
         window = (-1, -1)
         if "window" in s:
@@ -955,6 +1001,7 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",),
                     or raw == [-1, -1]):
                 v.fail(f"{key}.window", f"expected [left, right], integers >= -1 (-1: unlimited), not both -1, got {raw!r}")
             window = (raw[0], raw[1])
+        first = len(cases)
         causal_raw = s.get("causal", False)
         flags = causal_raw if isinstance(causal_raw, list) else [causal_raw]
         if not flags:
@@ -963,7 +1010,7 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",),
             for flag in flags:
                 cases.append(
                     Case(
-                        batch=v.integer(s["B"], f"{key}.B", minimum=1),
+                        batch=len(lengths) if lengths else v.integer(s["B"], f"{key}.B", minimum=1),
                         heads=heads,
                         seq=seq,
                         head_dim=d,
@@ -973,9 +1020,41 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",),
                         seq_kv=seq_kv,
                         softcap=softcap,
                         window=window,
+                        lengths=lengths,
                     )
                 )
+        for case in cases[first:]:
+            twin = next((c for c in cases[:first] if c.label() == case.label()), case)
+            if twin != case:
+                v.fail(key, f"its label {case.label()!r} is another shape's; packed shapes need another "
+                            "shortest or longest length or token count")
     return tuple(dict.fromkeys(cases))
+
+
+def _parse_lengths(v: "_Validator", raw: Any, key: str) -> tuple[int, ...]:
+    """``lengths``: a list of sequence lengths, or ``{count, min, max, seed}``: ``count`` lengths
+    drawn uniformly from min .. max by ``random.Random(seed)`` (the same list every time)."""
+    if isinstance(raw, dict):
+        spec = v.mapping(raw, key, _LENGTHS_KEYS, required=("count", "min", "max"))
+        count = v.integer(spec["count"], f"{key}.count", minimum=1)
+        low = v.integer(spec["min"], f"{key}.min", minimum=1)
+        high = v.integer(spec["max"], f"{key}.max", minimum=low)
+        seed = v.integer(spec.get("seed", 0), f"{key}.seed", minimum=0)
+        if count > MAX_SEQUENCES:
+            v.fail(f"{key}.count", f"expected at most {MAX_SEQUENCES} sequences, got {count}")
+        if high > MAX_LENGTH:
+            v.fail(f"{key}.max", f"expected at most {MAX_LENGTH}, got {high}")
+        if seed >= 1 << 64:
+            v.fail(f"{key}.seed", "expected an integer below 2**64")
+        rng = random.Random(seed)
+        return tuple(rng.randint(low, high) for _ in range(count))
+    if not isinstance(raw, list) or not raw or len(raw) > MAX_SEQUENCES:
+        v.fail(key, f"expected a list of 1 to {MAX_SEQUENCES} sequence lengths or {{count, min, max, seed}}, "
+                    f"got {_describe(raw)}")
+    for i, n in enumerate(raw):
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_LENGTH:
+            v.fail(f"{key}[{i}]", f"expected an integer from 1 to {MAX_LENGTH}, got {_describe(n)}")
+    return tuple(raw)
 
 
 def _parse_params(v: "_Validator", raw: Any, where: str = "params", allow_empty: bool = False,
@@ -1086,8 +1165,9 @@ def _parse_seed(v: "_Validator", space: Space, raw: Any, key: str) -> Config:
         v.fail(exc.key, exc.message)
     broken = space.violations(config)
     dims = sorted({c.head_dim for c in space.cases})
-    if broken and all(space.violations(config, head_dim=d) for d in dims):
-        where = "" if len(dims) == 1 else " at every head dim"
+    groups = {(c.head_dim, c.features) for c in space.cases}
+    if broken and all(space.violations(config, head_dim=d, features=f) for d, f in groups):
+        where = "" if len(groups) == 1 else " at every head dim" if len(dims) > 1 else " for every shape"
         v.fail(key, f"seed is outside the space{where}: violates {broken[0]!r}")
     return config
 
