@@ -34,7 +34,7 @@ def _paths_of(space) -> collections.Counter:
 def test_the_forward_holds_the_union_of_its_paths_head_dims() -> None:
     assert paths.head_dims() == (32, 64, 80, 96, 128, 192, 256)
     assert paths.head_dims(paths.BACKWARD_TEMPLATE) == (64, 128)
-    assert paths.get("wgmma").head_dims == (64, 128, 192, 256)
+    assert paths.get("wgmma").head_dims == (32, 64, 80, 96, 128, 192, 256)
 
 
 def test_a_head_dim_no_path_holds_is_refused_naming_the_key() -> None:
@@ -45,12 +45,14 @@ def test_a_head_dim_no_path_holds_is_refused_naming_the_key() -> None:
     assert err.value.key == "problem.shapes[1].D" and "96" in str(err.value) and "72" in str(err.value)
 
 
-def test_head_dim_96_is_searched_on_the_mma_path_with_padded_rows() -> None:
+def test_head_dim_96_is_searched_on_mma_with_padded_rows_and_on_wgmma_in_whole_panels_by_tma() -> None:
     space = _h100_with(96)
     found = _paths_of(space)
-    assert set(found) == {"mma"} and found["mma"] > 100
-    assert all(c["SMEM_LAYOUT"] == "pad" for c in space.valid_configs())
-    assert any("wgmma.head-dims" in v for v in space.violations(WGMMA))
+    assert set(found) == {"mma", "wgmma"} and found["mma"] > 100 and found["wgmma"] > 100
+    assert all(c["SMEM_LAYOUT"] == "pad" for c in space.valid_configs() if c["PATH"] == "mma")
+    assert all(c["LOAD"] == "tma" for c in space.valid_configs() if c["PATH"] == "wgmma")
+    assert space.violations(WGMMA) == []
+    assert any("wgmma.panel-head-dims" in v for v in space.violations(WGMMA.replace(LOAD="cpasync")))
     assert any("mma.swizzle" in v for v in space.violations(MMA))
     with pytest.raises(RenderError, match="SWIZZLES_ROWS_OF_A_MULTIPLE_OF_64"):
         render("flash_attention", MMA, Variant(96, False))
@@ -68,11 +70,16 @@ def test_head_dim_256_is_searched_on_mma_and_wgmma_within_shared_memory() -> Non
 
 
 def test_a_space_of_two_head_dims_keeps_a_path_only_where_it_holds_both() -> None:
-    mixed = _h100_with(64, 96)
-    assert "wgmma" not in _paths_of(mixed)
-    assert any("wgmma.head-dims" in v for v in mixed.violations(WGMMA))
-    assert mixed.violations(WGMMA, head_dim=64) == []   # narrowed to D64 (--shape), it joins
-    assert any("wgmma.head-dims" in v for v in mixed.violations(WGMMA, head_dim=96))
+    mixed = _h100_with(64, 256)   # wgmma holds both, but its 128x192 tiles overflow shared memory at D256
+    big = WGMMA.replace(BLOCK_N=192)
+    assert mixed.violations(big, head_dim=64) == []   # narrowed to D64 (--shape), it joins
+    assert any("wgmma.smem" in v for v in mixed.violations(big))
+    assert any("wgmma.smem" in v for v in mixed.violations(big, head_dim=256))
+    assert not any(c == big for c in mixed.valid_configs())
+    cpasync = _h100_with(64, 96)   # a cp.async wgmma kernel holds D64, not D96
+    by_threads = WGMMA.replace(LOAD="cpasync", REG_PRODUCER=32)
+    assert cpasync.violations(by_threads, head_dim=64) == []
+    assert [v.split(":")[0] for v in cpasync.violations(by_threads)] == ["wgmma.panel-head-dims"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -118,13 +118,11 @@ class AttentionKernel:
     def check_packed(self, q: Any, k: Any, v: Any, out: Any, packed: Packed) -> None:
         """Raise LaunchError unless the kernel takes packed sequences and the tensors fit it: q and
         out (total_q, H, D), k and v (total_k, H_kv, D), offsets int32 (batch + 1) on their device."""
-        from ..runtime.varlen import packed_strides
+        from ..runtime.varlen import packed_strides, packed_view
 
         variant = self.rendered.variant
         if "varlen" not in self.rendered.features:
             raise LaunchError("the kernel takes no packed sequences (rendered without VARLEN)")
-        if self.rendered.tensor_maps:
-            raise LaunchError("a kernel loading by TMA takes no packed sequences")
         want = torch_dtype(variant.dtype)
         for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
             if t.dtype != want or not t.is_cuda or t.dim() != 3 or t.shape[-1] != variant.head_dim or t.stride(-1) != 1:
@@ -139,6 +137,13 @@ class AttentionKernel:
             if str(t.dtype) != "torch.int32" or t.dim() != 1 or t.shape[0] != packed.batch + 1 or t.device != q.device:
                 raise LaunchError(f"{name}: expected int32 ({packed.batch + 1},) on {q.device}, got {t.dtype} "
                                   f"{tuple(t.shape)} on {t.device}")
+        views = dict(zip(("q", "k", "v", "out"), map(packed_view, (q, k, v, out))))
+        for spec in self.rendered.tensor_maps:   # TMA: maps over every token as one batch
+            t = views[spec.tensor]
+            try:
+                map_geometry(spec, t.shape, t.stride(), variant.dtype)
+            except TensorMapError as exc:
+                raise LaunchError(str(exc)) from None
 
     def __call__(self, q: Any, k: Any, v: Any, out: Any, scale: float | None = None, *, checked: bool = True,
                  workspace: Any = None, features: dict[str, Any] | None = None, packed: Packed | None = None) -> Any:
@@ -163,8 +168,6 @@ class AttentionKernel:
         else:
             from ..runtime.varlen import packed_strides
 
-            if self._maps is not None:
-                raise LaunchError("a kernel loading by TMA takes no packed sequences")
             strides = [packed_strides(t) for t in (q, k, v, out)]
             features = {**(features or {}), "cu_seqlens_q": packed.cu_seqlens_q, "cu_seqlens_k": packed.cu_seqlens_k}
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -193,7 +196,15 @@ class AttentionKernel:
         extra = feature_values(features)
         if self._maps is not None:
             values = {**argument_values(q, k, v, out, ws_ptr, scale * LOG2E), **extra, "kv_splits": splits}
-            self._launch_with_maps(q, k, v, out, values, splits)
+            map_tensors = (q, k, v, out)
+            if packed is not None:   # the launch's dimensions and strides, the maps over every token as one batch
+                from ..runtime.varlen import packed_view
+
+                values.update(zip(("B", "H", "H_kv", "S_q", "S_k"), (batch, heads, heads_kv, seq_q, seq_k)))
+                for name, group in zip("qkvo", strides):
+                    values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_ss"), group))
+                map_tensors = tuple(packed_view(t) for t in (q, k, v, out))
+            self._launch_with_maps(*map_tensors, values, splits, (batch, heads, heads_kv, seq_q))
             del counter  # the launch is queued: the counter's memory may go back to torch's allocator
             return out
         args = (
@@ -214,8 +225,11 @@ class AttentionKernel:
                 fn(grid, launch.block, args, shared_mem=launch.smem)
         return out
 
-    def _launch_with_maps(self, q: Any, k: Any, v: Any, out: Any, values: dict, splits: int = 1) -> Any:
-        """Encode the tensor maps of this call's tensors and launch through the driver."""
+    def _launch_with_maps(self, q: Any, k: Any, v: Any, out: Any, values: dict, splits: int = 1,
+                          grid_dims: tuple[int, int, int, int] | None = None) -> Any:
+        """Encode the tensor maps of this call's tensors (for packed sequences: their one-batch
+        views) and launch through the driver; ``grid_dims``: (B, H, H_kv, S_q) of the grid, where
+        the tensors' own shapes do not give them."""
         import cupy
         import torch
 
@@ -232,13 +246,13 @@ class AttentionKernel:
         except TensorMapError as exc:
             raise LaunchError(str(exc)) from None
         packed = pack_arguments(self.rendered.arguments, values, addresses)
-        batch, heads, seq_q = q.shape[0], q.shape[1], q.shape[2]
+        batch, heads, heads_kv, seq_q = grid_dims or (q.shape[0], q.shape[1], k.shape[1], q.shape[2])
         stream = torch.cuda.current_stream(q.device).cuda_stream
         with cupy.cuda.Device(q.get_device()):
             for launch, fn in zip(self.rendered.launches, self._functions):
                 if not runs(launch, splits):
                     continue
-                grid = launch.grid(batch, heads, seq_q, multiprocessors(q.device), heads_kv=k.shape[1], splits=splits)
+                grid = launch.grid(batch, heads, seq_q, multiprocessors(q.device), heads_kv=heads_kv, splits=splits)
                 cupy.cuda.driver.launchKernel(fn.kernel.ptr, *grid, *launch.block, launch.smem,
                                               stream, packed.address, 0)
         return out
