@@ -77,7 +77,7 @@ def test_a_space_of_two_head_dims_keeps_a_path_only_where_it_holds_both() -> Non
     assert any("wgmma.smem" in v for v in mixed.violations(big, head_dim=256))
     assert not any(c == big for c in mixed.valid_configs())
     cpasync = _h100_with(64, 96)   # a cp.async wgmma kernel holds D64, not D96
-    by_threads = WGMMA.replace(LOAD="cpasync", REG_PRODUCER=32)
+    by_threads = WGMMA.replace(LOAD="cpasync", BLOCK_N=128)
     assert cpasync.violations(by_threads, head_dim=64) == []
     assert [v.split(":")[0] for v in cpasync.violations(by_threads)] == ["wgmma.panel-head-dims"]
 
