@@ -32,10 +32,10 @@ LENGTHS = (1, 77, 300, 1024, 5)
 
 def _kernel(causal: bool, features: tuple[str, ...] = ("varlen",), head_dim: int = 64):
     from evoengineer.gpu import AttentionKernel
-    from evoengineer.kernels.compile import arch_for_device
+    from evoengineer.gpu.backward import device_arch
 
     rendered = render("flash_attention", MMA, Variant(head_dim, causal, "fp16", features))
-    result = compile_source(rendered.source, arch_for_device(0))
+    result = compile_source(rendered.source, device_arch(0))
     assert result.ok, result.log
     return AttentionKernel(rendered, result.cubin_path)
 
