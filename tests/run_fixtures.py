@@ -71,10 +71,15 @@ def make_run(path: Path, times: dict[str, dict[Config, float]] | None = None, *,
     (path / "sources").mkdir()
     (path / "space.yaml").write_text(yaml.safe_dump(space if space is not None else space_doc(name), sort_keys=False))
     info = {"gpu": gpu, "arch": "sm_90", "sms": 132}
+    from evoengineer.space import parse_space
+
+    doc = space if space is not None else space_doc(name)
+    case_flops = {case.label(): case.flops() for case in parse_space(doc, "space.yaml").cases}
     flops = {}
     for label in times:
         shape = parse_label(label)
-        flops[label] = 4.0 * shape.batch * shape.heads * shape.seq_q * shape.seq_k * shape.head_dim / (2 if shape.causal else 1)
+        flops[label] = case_flops[label] if shape is None else (   # packed sequences: the space's own count
+            4.0 * shape.batch * shape.heads * shape.seq_q * shape.seq_k * shape.head_dim / (2 if shape.causal else 1))
     (path / "run.json").write_text(json.dumps({"space": name, "strategy": "grid", "gpu": info, "arch": "sm_90",
                                                "case_flops": flops}))
     (path / "env.json").write_text(json.dumps(info))
