@@ -42,14 +42,13 @@ KEYS = {
 }
 
 
-@pytest.fixture(scope="module")
-def modules(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """An export over fp16 and bf16, head dims 64 and 128, per configuration of ``EXPORTS``."""
+def export_each(tmp_path_factory: pytest.TempPathFactory, exports: dict[str, Config], prefix: str) -> dict:
+    """An export over fp16 and bf16, head dims 64 and 128, per configuration of ``exports``."""
     from evoengineer.results import export_runs
 
     out = {}
-    for name, config in EXPORTS.items():
-        root = tmp_path_factory.mktemp(f"varlen_{name}")
+    for name, config in exports.items():
+        root = tmp_path_factory.mktemp(f"{prefix}_{name}")
         doc = space_doc()
         doc["problem"]["dtype"] = ["fp16", "bf16"]
         run = make_run(root / "run", {SMALL: {config: 10.0}, SMALL_C: {config: 10.0}}, space=doc,
@@ -57,6 +56,11 @@ def modules(tmp_path_factory: pytest.TempPathFactory) -> dict:
         export_runs([run], root / "out")
         out[name] = load_module(root / "out")
     return out
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return export_each(tmp_path_factory, EXPORTS, "varlen")
 
 
 def packed(lengths_q, lengths_k, heads: int, heads_kv: int, head_dim: int, dtype, seed: int, spread: float = 1.0):

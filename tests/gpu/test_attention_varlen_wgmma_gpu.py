@@ -17,8 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run_fixtures import SMALL, SMALL_C, load_module, make_run, space_doc  # noqa: E402
-from test_attention_varlen_gpu import KEYS, LENGTHS_Q, check_rule, packed  # noqa: E402
+from test_attention_varlen_gpu import KEYS, LENGTHS_Q, check_rule, export_each, packed  # noqa: E402
 
 from evoengineer.runtime import features as F  # noqa: E402
 from evoengineer.runtime import varlen as V  # noqa: E402
@@ -49,19 +48,7 @@ EXPORTS = {
 
 @pytest.fixture(scope="module")
 def modules(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """An export over fp16 and bf16, head dims 64 and 128, per configuration of ``EXPORTS``."""
-    from evoengineer.results import export_runs
-
-    out = {}
-    for name, config in EXPORTS.items():
-        root = tmp_path_factory.mktemp(f"wgvarlen_{name}")
-        doc = space_doc()
-        doc["problem"]["dtype"] = ["fp16", "bf16"]
-        run = make_run(root / "run", {SMALL: {config: 10.0}, SMALL_C: {config: 10.0}}, space=doc,
-                       sdpa={SMALL: 18.0, SMALL_C: 16.0})
-        export_runs([run], root / "out")
-        out[name] = load_module(root / "out")
-    return out
+    return export_each(tmp_path_factory, EXPORTS, "wgvarlen")
 
 
 @pytest.mark.parametrize("keys", list(KEYS))
