@@ -14,6 +14,7 @@ from evoengineer.kernels.backward_rules import (
     BACKWARD_TEMPLATE,
     WGMMA_CONFIGS,
     backward_arguments,
+    backward_launch_arguments,
     backward_launches,
     fits,
     problems,
@@ -28,7 +29,7 @@ RULES = paths.get("wgmma", BACKWARD_TEMPLATE)
 SPACE = load_space("h100-backward")
 MMA = Config(PATH="mma", DKDV="tiles", BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_MODE="atomic", DQ_BLOCK_M=64, DQ_BLOCK_N=64)
 VALUES = {"BLOCK_M": (32, 64, 128), "BLOCK_N": (64, 128, 192), "CONSUMER_WGS": (1, 2, 3), "STAGES": (1, 2, 3),
-          "DQ_MODE": ("atomic", "separate"), "PRODUCER": (0, 1, 2)}
+          "DQ_MODE": ("atomic", "separate"), "PRODUCER": (0, 1, 2), "LOAD": ("cpasync", "tma", "bulk")}
 
 
 def _every_combination():
@@ -66,7 +67,12 @@ def test_the_rules_and_the_template_agree_on_every_combination(head_dim: int) ->
             # the mma path's argument list and workspaces: the runtime launches either path alike
             mma = render(BACKWARD_TEMPLATE, MMA, variant)
             assert backward_arguments(rendered) == backward_arguments(mma)
-    assert built == {64: 2 * 9, 128: 2 * 3}[head_dim]
+            # LOAD tma: six tensor maps after them, the dK/dV kernel's
+            tma = config["LOAD"] == "tma"
+            assert [m.tensor for m in rendered.tensor_maps] == (list(paths.wgmma_backward.TENSOR_MAPS) if tma else [])
+            assert backward_launch_arguments(rendered) == backward_arguments(mma) + [
+                (f"tm_{t}", "tmap") for t in (paths.wgmma_backward.TENSOR_MAPS if tma else ())]
+    assert built == {64: 2 * (9 + 5), 128: 2 * (3 + 1)}[head_dim]
 
 
 def test_the_rules_name_what_they_refuse() -> None:
@@ -94,7 +100,7 @@ def test_the_backward_space_holds_exactly_the_wgmma_configurations_the_rules_bui
     assert valid and {c for c in SPACE.search.seeds if c["PATH"] == "wgmma"} <= valid
     # narrowed to D64, the 128-row tile (BLOCK_M + D over 192 at D128) joins, as its seed
     d64 = SPACE.with_shapes([(4, 16, 2048, 64, 2048)])
-    wide = wgmma_config(128, 128, producer=1)
+    wide = wgmma_config(128, 128, producer=1, load="cpasync")
     assert d64.contains(wide) and not SPACE.contains(wide) and wide in d64.search.seeds
 
 
@@ -110,7 +116,7 @@ def _valid_builds() -> list[tuple[Config, Variant]]:
 
 def test_every_valid_wgmma_configuration_compiles_for_sm90a_without_spills() -> None:
     builds = _valid_builds()
-    named = {(d, c) for d, by_name in WGMMA_CONFIGS.items() for c in by_name.values()}
+    named = {(d, SPACE.complete(c)) for d, by_name in WGMMA_CONFIGS.items() for c in by_name.values()}
     seeds = {c for c in SPACE.search.listed_seeds if c["PATH"] == "wgmma"}
     assert {(d, c) for c in seeds for d in (64, 128) if not problems(c, d)} | named <= {(v.head_dim, c) for c, v in builds}
     results = list(compile_many([render(BACKWARD_TEMPLATE, c, v).source for c, v in builds], "sm_90a", workers=2))
@@ -119,7 +125,7 @@ def test_every_valid_wgmma_configuration_compiles_for_sm90a_without_spills() -> 
     spilled = [f"{c.label()} {v.label()}: {r.spill_bytes} bytes" for (c, v), r in zip(builds, results) if r.spill_bytes]
     assert not spilled, spilled
     assert not any(r.wgmma_serialized for r in results)
-    assert len(builds) == 4 * (9 + 3)
+    assert len(builds) == 4 * (9 + 5 + 3 + 1)
 
 
 def test_an_export_takes_a_wgmma_backward_by_name_or_parameters() -> None:
@@ -127,12 +133,20 @@ def test_an_export_takes_a_wgmma_backward_by_name_or_parameters() -> None:
 
     assert parse_backward_option("D128:w64n128-pr") == {128: WGMMA_CONFIGS[128]["w64n128-pr"]}
     assert parse_backward_option("PATH=wgmma,BLOCK_M=64,BLOCK_N=128,CONSUMER_WGS=2,PRODUCER=1") == {
-        64: wgmma_config(64, 128, producer=1), 128: wgmma_config(64, 128, producer=1)}
+        64: wgmma_config(64, 128, producer=1, load="cpasync"), 128: wgmma_config(64, 128, producer=1, load="cpasync")}
     # a configuration valid at one head dim only (at D128 without a producer ptxas spills)
-    assert parse_backward_option("PATH=wgmma,BLOCK_M=64,BLOCK_N=128,CONSUMER_WGS=2") == {64: wgmma_config(64, 128)}
+    assert parse_backward_option("PATH=wgmma,BLOCK_M=64,BLOCK_N=128,CONSUMER_WGS=2") == {
+        64: wgmma_config(64, 128, load="cpasync")}
     assert parse_backward_option("PATH=wgmma,BLOCK_M=128,BLOCK_N=128,CONSUMER_WGS=2,PRODUCER=1") == {
-        64: wgmma_config(128, 128, producer=1)}
+        64: wgmma_config(128, 128, producer=1, load="cpasync")}
     assert short_backward(wgmma_config(64, 128)) == "bwd wgmma 64x128 st2 atomic"
+    # the TMA twins: by name at both head dims, by parameters (a producer needed)
+    assert parse_backward_option("w64n128-tma") == {d: wgmma_config(64, 128, producer=1, load="tma") for d in (64, 128)}
+    assert parse_backward_option("PATH=wgmma,BLOCK_M=64,BLOCK_N=128,CONSUMER_WGS=2,PRODUCER=1,LOAD=tma") == {
+        d: wgmma_config(64, 128, producer=1, load="tma") for d in (64, 128)}
+    with pytest.raises(Exception, match="wgmma.load"):
+        parse_backward_option("PATH=wgmma,BLOCK_M=64,BLOCK_N=128,CONSUMER_WGS=2,LOAD=tma")
+    assert short_backward(wgmma_config(64, 128, producer=1, load="tma")) == "bwd wgmma 64x128 st2 tma atomic"
 
 
 def test_the_producer_takes_the_setmaxnreg_values_of_the_path_rules() -> None:
@@ -160,7 +174,7 @@ def test_the_default_search_opens_every_partition_with_its_wgmma_seeds() -> None
         assert wgmma and opening[: len(wgmma)] == wgmma and len(wgmma) <= part.trials
         if part.space.variants[0].head_dim == 64:
             assert Config(PATH="wgmma", BLOCK_M=128, BLOCK_N=128, CONSUMER_WGS=2, STAGES=2, DQ_MODE="atomic",
-                          PRODUCER=1) in wgmma
+                          PRODUCER=1, LOAD="cpasync") in wgmma
 
 
 LSE_FORWARD = Config(PATH="wgmma", BLOCK_M=128, BLOCK_N=128, CONSUMER_WGS=2, INTRA_WG_OVERLAP=1, LOAD="tma", O_TMA=1,

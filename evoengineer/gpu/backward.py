@@ -5,7 +5,10 @@ FlashAttention-2 backward (``templates/flash_attention_bwd.cu.j2``) that takes i
 returns ``(dq, dk, dv)``. Tensors are (batch, heads, seq, head_dim), fp16 or bf16, K/V with a
 number of heads that divides q's (grouped-query attention); ``lse`` is (batch, heads, seq_q)
 fp32. Kernels are rendered, compiled with NVRTC for the tensors' device and loaded once per
-(configuration, variant, device). Launches go on torch's current stream.
+(configuration, variant, device). Launches go on torch's current stream; a backward whose dK/dV
+kernel loads by TMA (``// TENSOR_MAP`` lines) gets its tensor maps encoded per call and every
+kernel is launched through the driver with one packed argument block (the maps after the
+backward's arguments: the kernels without maps read only theirs).
 """
 from __future__ import annotations
 
@@ -20,14 +23,18 @@ from ..kernels.backward_rules import (
     FORWARD_TEMPLATE,
     BackwardLaunch,
     backward_arguments,
+    backward_launch_arguments,
     backward_launches,
     default_config,
     forward_lse_config,
     problems,
 )
+from ..runtime.backward_file import TENSOR_MAP_TENSORS
+from ..runtime.backward_launch import map_layouts, map_pointers
 from ..runtime.loading import required_arch
 from ..space import Config, Variant
 from .launch import LOG2E, AttentionKernel, LaunchError, cupy_stream, torch_dtype
+from .tensormap import MapStorage, TensorMapError, check_address, driver, map_geometry, pack_arguments
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
 
@@ -60,6 +67,7 @@ class BackwardKernel:
         self._module = cupy.RawModule(path=self.cubin_path)
         self.launches: list[BackwardLaunch] = backward_launches(self.rendered)
         self.arguments = backward_arguments(self.rendered)
+        self._maps = MapStorage(len(self.rendered.tensor_maps)) if self.rendered.tensor_maps else None
         self._functions = []
         for launch in self.launches:
             fn = self._module.get_function(launch.kernel)
@@ -88,6 +96,13 @@ class BackwardKernel:
                               f"got {lse.dtype} {tuple(lse.shape)}")
         if len({t.device for t in (q, k, v, o, lse, do, dq, dk, dv)}) != 1:
             raise LaunchError("all tensors must be on one device")
+        layouts = map_layouts(q, k, v, do, lse)
+        for spec in self.rendered.tensor_maps:
+            shape, strides = layouts[TENSOR_MAP_TENSORS.index(spec.tensor)]
+            try:
+                map_geometry(spec, shape, strides, variant.dtype)
+            except TensorMapError as exc:
+                raise LaunchError(str(exc)) from None
 
     def __call__(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, scale: float | None = None, *,
                  dq: Any = None, dk: Any = None, dv: Any = None, dsum: Any = None, dq_accum: Any = None,
@@ -119,6 +134,9 @@ class BackwardKernel:
         }
         for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do), ("dq", dq), ("dk", dk), ("dv", dv)):
             values.update({f"{name}_sb": t.stride(0), f"{name}_sh": t.stride(1), f"{name}_ss": t.stride(2)})
+        if self._maps is not None:
+            self._launch_with_maps(q, k, v, do, lse, dsum, values)
+            return dq, dk, dv
         packers = {"ptr": cupy.uint64, "i32": cupy.int32, "i64": cupy.int64, "f32": cupy.float32}
         args = tuple(packers[kind](values[name]) for name, kind in self.arguments)
         with cupy_stream(torch.cuda.current_stream(q.device)):
@@ -126,6 +144,35 @@ class BackwardKernel:
                 grid = launch.grid(batch, heads, heads_kv, seq_q, seq_k)
                 fn(grid, launch.block, args, shared_mem=launch.smem)
         return dq, dk, dv
+
+
+    def _launch_with_maps(self, q: Any, k: Any, v: Any, do: Any, lse: Any, dsum: Any, values: dict) -> None:
+        """Encode this call's tensor maps and launch every kernel through the driver with one
+        argument block (``backward_launch_arguments``)."""
+        import cupy
+        import torch
+
+        assert self._maps is not None
+        dtype = self.rendered.variant.dtype
+        layouts = map_layouts(q, k, v, do, lse)
+        pointers = map_pointers(q, k, v, do, lse, dsum.data_ptr())
+        addresses = {}
+        try:
+            for spec, at in zip(self.rendered.tensor_maps, self._maps.addresses):
+                slot = TENSOR_MAP_TENSORS.index(spec.tensor)
+                check_address(spec, pointers[slot])
+                shape, strides = layouts[slot]
+                driver().encode(at, map_geometry(spec, shape, strides, dtype), pointers[slot])
+                addresses[spec.arg] = at
+        except TensorMapError as exc:
+            raise LaunchError(str(exc)) from None
+        packed = pack_arguments(backward_launch_arguments(self.rendered), values, addresses)
+        batch, heads, seq_q = q.shape[0], q.shape[1], q.shape[2]
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        with cupy.cuda.Device(q.get_device()):
+            for launch, fn in zip(self.launches, self._functions):
+                grid = launch.grid(batch, heads, k.shape[1], seq_q, k.shape[2])
+                cupy.cuda.driver.launchKernel(fn.kernel.ptr, *grid, *launch.block, launch.smem, stream, packed.address, 0)
 
 
 def _workspace(given: Any, floats: int, device: Any, name: str) -> Any:

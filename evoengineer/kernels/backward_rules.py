@@ -42,10 +42,11 @@ def backward_config(block_m: int, block_n: int, *, stages: int = 2, dq_mode: str
                   DQ_BLOCK_M=dq_block_m, DQ_BLOCK_N=dq_block_n)
 
 
-def wgmma_config(block_m: int, block_n: int, *, stages: int = 2, producer: int = 0) -> Config:
-    """A wgmma backward configuration with every parameter spelled out (64 keys per warpgroup)."""
+def wgmma_config(block_m: int, block_n: int, *, stages: int = 2, producer: int = 0, load: str | None = None) -> Config:
+    """A wgmma backward configuration with every parameter spelled out (64 keys per warpgroup); LOAD
+    only where ``load`` is given (left out, the template's cpasync)."""
     return Config(PATH="wgmma", BLOCK_M=block_m, BLOCK_N=block_n, CONSUMER_WGS=block_n // 64, STAGES=stages,
-                  DQ_MODE="atomic", PRODUCER=producer)
+                  DQ_MODE="atomic", PRODUCER=producer, **({"LOAD": load} if load is not None else {}))
 
 
 def path_defaults(config: Config) -> dict[str, int | str]:
@@ -148,11 +149,14 @@ WGMMA_CONFIGS: dict[int, dict[str, Config]] = {
         "w64n128": wgmma_config(64, 128),
         "w128n128-st1": wgmma_config(128, 128, stages=1),
         "w128n128-pr": wgmma_config(128, 128, producer=1),
+        "w64n128-tma": wgmma_config(64, 128, producer=1, load="tma"),
+        "w128n128-tma": wgmma_config(128, 128, producer=1, load="tma"),
     },
     128: {
         "w64n64-st1": wgmma_config(64, 64, stages=1),
         "w64n128-st1": wgmma_config(64, 128, stages=1),
         "w64n128-pr": wgmma_config(64, 128, producer=1),
+        "w64n128-tma": wgmma_config(64, 128, producer=1, load="tma"),
     },
 }
 """Named configurations of the wgmma path per head dim (sm_90a only): each compiles for sm_90a without
@@ -200,6 +204,13 @@ def backward_launches(rendered: Rendered) -> list[BackwardLaunch]:
             out.append(BackwardLaunch(str(meta["kernel"]), tuple(meta["block"]), int(meta["smem"]),  # type: ignore[arg-type]
                                       int(meta["rows_per_cta"]), over))
     return out
+
+
+def backward_launch_arguments(rendered: Rendered) -> list[tuple[str, str]]:
+    """What a launcher packs for every kernel of a rendered backward: ``backward_arguments``, then one
+    ``tmap`` per ``// TENSOR_MAP`` line (the dK/dV kernel's with LOAD tma; the other kernels take
+    the arguments before them and read only those)."""
+    return backward_arguments(rendered) + [(m.arg, "tmap") for m in rendered.tensor_maps]
 
 
 def backward_arguments(rendered: Rendered) -> list[tuple[str, str]]:

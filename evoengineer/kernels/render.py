@@ -24,9 +24,11 @@ workspace then ``// WORKSPACE_FLOATS_PER_SPLIT_ROW`` floats per row and split on
 run in order with the same arguments (a split-K/V kernel followed by its combine
 step, say). Every kernel takes the same argument list, see ``KERNEL_ARGS``, followed by
 one ``const __grid_constant__ CUtensorMap`` per ``// TENSOR_MAP`` line, in their order
-(kernels that load by TMA): a 4-D map over the named tensor (``q``, ``k``, ``v`` or
-``out``) as (head_dim, seq, heads, batch) with its strides, copied in boxes of
-``box`` = (columns, rows), shared memory swizzled as ``swizzle`` bytes (0, 32, 64, 128).
+(kernels that load by TMA): a 4-D map over the named tensor (``q``, ``k``, ``v``, ``out`` or,
+in the backward, ``do``) as (head_dim, seq, heads, batch) with its strides, copied in boxes of
+``box`` = (columns, rows), shared memory swizzled as ``swizzle`` bytes (0, 32, 64, 128); or a
+1-D map over the backward's fp32 rows (``lse``, ``dsum``: B * H * S_q floats), box (floats, 1).
+A backward's dK/dV kernel takes its maps after the backward's argument list (``// BWD_ARGS``).
 
 Templates see the configuration's parameters plus ``HEAD_DIM``, ``CAUSAL`` and ``DTYPE``
 (``'fp16'`` or ``'bf16'``: the element type of Q, K, V and O, a compile-time choice) and, for a
@@ -113,7 +115,9 @@ def parameter_kinds(params: str) -> list[tuple[str, str]]:
     return out
 
 
-TENSOR_MAP_TENSORS = ("q", "k", "v", "out")
+TENSOR_MAP_TENSORS = ("q", "k", "v", "out", "do", "lse", "dsum")
+"""Tensors a map may name: the forward's q, k, v, out; the backward's output gradient (do) and its
+fp32 rows (lse, dsum: 1-D maps, ``runtime.tensormap.FLAT_TENSORS``)."""
 TENSOR_MAP_SWIZZLES = (0, 32, 64, 128)
 
 

@@ -21,9 +21,13 @@ Parameters:
 - ``DQ_MODE``: ``atomic`` only (fp32 reductions into the workspace, then the conversion kernel),
 - ``PRODUCER``: 0, every consumer thread loads the next tile by cp.async, or 1, a producer
   warpgroup does, into a ring of STAGES stages with full and empty mbarriers, the consumers only
-  wait (beside two consumer warpgroups, setmaxnreg moves registers to them: ``REGISTERS``).
+  wait (beside two consumer warpgroups, setmaxnreg moves registers to them: ``REGISTERS``),
+- ``LOAD``: ``cpasync`` (the producer's 128 threads copy) or ``tma`` (needs PRODUCER 1): one producer thread
+  loads K and V once and each stage's Q and dO (4-D tensor maps) and LSE and D (1-D tensor maps over the
+  B * H * S_q floats) by cp.async.bulk.tensor, one expect_tx a stage; 16 bytes more shared memory (K's and
+  V's mbarrier). The kernel then takes six tensor maps after the backward's arguments (``TENSOR_MAPS``).
 
-Not yet: TMA loads, a deterministic dQ pass.
+Not yet: a deterministic dQ pass.
 """
 from __future__ import annotations
 
@@ -33,8 +37,11 @@ from .base import KernelPath, Scope, head_dims_rule, rule
 
 NAME = "wgmma"
 TEMPLATE = "flash_attention_bwd"
-PARAMS = ("BLOCK_M", "BLOCK_N", "CONSUMER_WGS", "STAGES", "DQ_MODE", "PRODUCER")
-DEFAULTS: dict[str, Any] = {"CONSUMER_WGS": 1, "STAGES": 2, "DQ_MODE": "atomic", "PRODUCER": 0}
+PARAMS = ("BLOCK_M", "BLOCK_N", "CONSUMER_WGS", "STAGES", "DQ_MODE", "PRODUCER", "LOAD")
+DEFAULTS: dict[str, Any] = {"CONSUMER_WGS": 1, "STAGES": 2, "DQ_MODE": "atomic", "PRODUCER": 0, "LOAD": "cpasync"}
+LOADS = ("cpasync", "tma")
+TENSOR_MAPS = ("q", "k", "v", "do", "lse", "dsum")
+"""The tensors the dK/dV kernel maps with LOAD tma, in the order of its tensor-map arguments."""
 HEAD_DIMS = (64, 128)
 DQ_MODES = ("atomic",)
 ARCH = "sm_90a"
@@ -75,9 +82,10 @@ def spill_free_at_the_limit(c: Scope) -> bool:
 def kernel_smem(c: Scope, head_dim: int) -> dict[str, int]:
     """Dynamic shared memory of each kernel of the backward (bytes), as the template declares it:
     1 KB to align the swizzled tiles, K and V, STAGES x (Q, dO, LSE and D rows), dS^T, and with a
-    producer two mbarriers a stage."""
+    producer two mbarriers a stage (with LOAD tma, 16 bytes more: K's and V's mbarrier)."""
     bm, bn, stages, d = int(c["BLOCK_M"]), int(c["BLOCK_N"]), int(c["STAGES"]), head_dim
     dkdv = 1024 + 4 * bn * d + stages * (4 * bm * d + 8 * bm) + 2 * bm * bn + 16 * stages * int(c.get("PRODUCER", 0))
+    dkdv += 16 if c.get("LOAD", "cpasync") == "tma" else 0
     return {"attn_bwd_pre": 0, "attn_bwd_dkdv": dkdv, "attn_bwd_dq_convert": 0}
 
 
@@ -94,6 +102,8 @@ RULES = (
     rule(NAME, "rows", "BLOCK_M is 64 or 128", "BLOCK_M", lambda c: c["BLOCK_M"] in (64, 128)),
     rule(NAME, "stages", "STAGES is 1 or 2", "STAGES", lambda c: c["STAGES"] in (1, 2)),
     rule(NAME, "producer", "PRODUCER is 0 or 1", "PRODUCER", lambda c: c.get("PRODUCER", 0) in (0, 1)),
+    rule(NAME, "load", "LOAD is cpasync, or tma with a producer warpgroup (PRODUCER 1)", "LOAD PRODUCER",
+         lambda c: c.get("LOAD", "cpasync") in LOADS and (c.get("LOAD", "cpasync") == "cpasync" or c.get("PRODUCER", 0) == 1)),
     rule(NAME, "dq-mode", f"DQ_MODE is one of {', '.join(DQ_MODES)}", "DQ_MODE", lambda c: c["DQ_MODE"] in DQ_MODES),
     rule(NAME, "registers", f"S^T, dP^T, dK and dV accumulators (BLOCK_M + head dim floats, {LONE_PREFETCH} more where "
          f"one warpgroup prefetches the next tile alone) within {MAX_ACCUMULATORS}", "BLOCK_M CONSUMER_WGS STAGES PRODUCER",
@@ -102,7 +112,7 @@ RULES = (
          "for 1, or one warpgroup of 64 rows, 1 stage, no producer (else ptxas spills in the causal variants)",
          "BLOCK_M CONSUMER_WGS STAGES PRODUCER",
          lambda c: accumulators(c, c["MAX_HEAD_DIM"]) != MAX_ACCUMULATORS or spill_free_at_the_limit(c)),
-    rule(NAME, "smem", "every kernel's tiles fit the shared memory per block", "BLOCK_M BLOCK_N STAGES PRODUCER",
+    rule(NAME, "smem", "every kernel's tiles fit the shared memory per block", "BLOCK_M BLOCK_N STAGES PRODUCER LOAD",
          lambda c: smem_bytes(c, c["MAX_HEAD_DIM"]) <= c["SMEM_LIMIT"]),
 )
 

@@ -18,6 +18,7 @@ from ..kernels.backward_rules import (
     HEAD_DIMS,
     WGMMA_CONFIGS,
     backward_arguments,
+    backward_launch_arguments,
     backward_launches,
     default_config,
     deterministic,
@@ -182,7 +183,8 @@ def short_backward(config: Config) -> str:
     ``halves``: DKDV=halves; ``wgmma``: the wgmma path)."""
     v = {**path_defaults(config), **dict(config)}
     if v["PATH"] == "wgmma":
-        return f"bwd wgmma {v['BLOCK_M']}x{v['BLOCK_N']} st{v['STAGES']} {v['DQ_MODE']}"
+        tma = " tma" if v.get("LOAD") == "tma" else ""
+        return f"bwd wgmma {v['BLOCK_M']}x{v['BLOCK_N']} st{v['STAGES']}{tma} {v['DQ_MODE']}"
     dq = "atomic" if v["DQ_MODE"] == "atomic" else f"sep {v['DQ_BLOCK_M']}x{v['DQ_BLOCK_N']}"
     kind = f"{v['DKDV']} " if v.get("DKDV") in ("tiles", "halves") else ""
     return f"bwd {kind}{v['BLOCK_M']}x{v['BLOCK_N']} st{v['STAGES']} {dq}"
@@ -190,13 +192,15 @@ def short_backward(config: Config) -> str:
 
 def backward_kernel_entry(rendered: Rendered, config_id: str, config: Config, dtype: str, head_dim: int, causal: bool,
                           source: str) -> dict[str, Any]:
-    """A ``backward.kernels`` entry of kernel.json."""
+    """A ``backward.kernels`` entry of kernel.json (with LOAD tma, the dK/dV kernel's tensor maps
+    and their ``tmap`` arguments after the others)."""
     try:
-        args = backward_arguments(rendered)
+        args = backward_launch_arguments(rendered)
         launches = backward_launches(rendered)
     except ValueError as exc:
         raise ExportError(f"backward {config.label()} {dtype} D{head_dim}: {exc}") from None
     return {"config": config_id, "dtype": dtype, "head_dim": head_dim, "causal": causal, "source": source,
             "args": [list(a) for a in args], "deterministic": deterministic(config),
             "workspaces": workspaces(rendered, config, head_dim),
-            "launches": [launch.to_json() for launch in launches]}
+            "launches": [launch.to_json() for launch in launches],
+            **({"tensor_maps": [m.to_json() for m in rendered.tensor_maps]} if rendered.tensor_maps else {})}

@@ -10,7 +10,10 @@ An export that can train carries, per (dtype, head_dim, causal) it covers:
   measured backward cases, its fallback otherwise, and a deterministic one (dQ summed without
   atomics) that serves every call where determinism is asked for;
 - each backward kernel's launches (over query rows ``q`` or key rows ``kv``), its argument list and
-  its fp32 workspaces (floats per query row).
+  its fp32 workspaces (floats per query row); a kernel set whose dK/dV kernel loads by TMA also its
+  ``tensor_maps`` (over q, k, v, do, and the flat lse and dsum), whose ``tmap`` arguments follow the
+  others: every launch gets the same argument block, and a kernel that takes fewer arguments reads
+  only its own.
 
 Nothing in it is evaluated; ``parse_backward`` checks every field the runtime uses and raises
 ``KernelFileError`` naming the file and the key.
@@ -33,6 +36,9 @@ SCALAR_ARGS = ("B", "H", "H_kv", "S_q", "S_k", "scale", "scale_log2",
                *(f"{t}_s{d}" for t in TENSORS for d in "bhs"))
 """The backward's scalar arguments: sizes, the tensors' strides (elements), the softmax scale."""
 GRIDS = ("q", "kv")
+TENSOR_MAP_TENSORS = ("q", "k", "v", "do", "lse", "dsum")
+"""What a backward's tensor maps name, in the order of the pointers a call re-points them to
+(``backward_launch.map_pointers``)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,8 @@ class BackwardKernelSpec:
     """(argument, fp32 floats per query row) of each workspace, in argument order."""
     deterministic: bool
     source: str = field(default="", repr=False)
+    tensor_maps: tuple[Any, ...] = ()
+    """``kernel_file.TensorMapSpec`` of each ``tmap`` argument (LOAD tma), in argument order."""
 
     @property
     def key(self) -> tuple[str, int, bool, str]:
@@ -79,7 +87,8 @@ class BackwardKernelSpec:
     def as_dict(self) -> dict[str, Any]:
         return {"launches": [launch.to_json() for launch in self.launches], "args": list(self.args),
                 "workspaces": dict(self.workspaces), "deterministic": self.deterministic, "source": self.source,
-                "source_file": self.source_file}
+                "source_file": self.source_file,
+                **({"tensor_maps": [m.to_json() for m in self.tensor_maps]} if self.tensor_maps else {})}
 
 
 @dataclass(frozen=True)
@@ -105,11 +114,12 @@ class BackwardData:
 
 
 def parse_backward(top: Any, path: Path, read_kernel: Callable[[Any], Any], config_info: Callable[[Any], Any],
-                   dtypes: tuple[str, ...]) -> BackwardData | None:
+                   dtypes: tuple[str, ...], read_maps: Callable[[Any, list], list] | None = None) -> BackwardData | None:
     """The ``backward`` section of a kernel.json, or None when the export has none (an
     inference-only export). ``top``: the document's typed fields (``kernel_file``'s reader, whose
     ``fail`` names the file and the key); ``read_kernel``: the forward kernel reader (for the LSE
-    forwards); ``config_info``: a configuration entry's reader."""
+    forwards); ``config_info``: a configuration entry's reader; ``read_maps``: a kernel entry's
+    ``tensor_maps`` reader (given its arguments)."""
     if top.doc.get("backward") is None:
         return None
     section = top.obj("backward")
@@ -131,7 +141,7 @@ def parse_backward(top: Any, path: Path, read_kernel: Callable[[Any], Any], conf
     kernels: dict[tuple[str, int, bool, str], BackwardKernelSpec] = {}
     for i, item in enumerate(section.items("kernels")):
         entry = top.at(item, f"backward.kernels[{i}]")
-        spec = _backward_kernel(entry, path.parent, dtypes)
+        spec = _backward_kernel(entry, path.parent, dtypes, read_maps)
         if spec.config not in configs:
             entry.fail(entry.key("config"), f"{_show(spec.config)} is not one of backward.configs")
         if spec.key in kernels:
@@ -169,12 +179,20 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _backward_kernel(entry: Any, directory: Path, dtypes: tuple[str, ...]) -> BackwardKernelSpec:
+def _backward_kernel(entry: Any, directory: Path, dtypes: tuple[str, ...],
+                     read_maps: Callable[[Any, list], list] | None = None) -> BackwardKernelSpec:
     args: list[tuple[str, str]] = []
     for j, arg in enumerate(entry.items("args")):
         if not isinstance(arg, list) or len(arg) != 2 or not all(isinstance(x, str) for x in arg):
             entry.fail(f"{entry.where}.args[{j}]", f"expected [name, kind], got {_show(arg)}")
         name, kind = arg
+        if kind == "tmap":   # described by tensor_maps
+            if not (name.isidentifier() and name.isascii()):
+                entry.fail(f"{entry.where}.args[{j}]", f"{_show(name)} is not a tensor-map argument name")
+            args.append((name, kind))
+            continue
+        if any(k == "tmap" for _, k in args):
+            entry.fail(f"{entry.where}.args[{j}]", "tensor-map arguments (kind tmap) come after every other argument")
         known = (POINTER_ARGS + WORKSPACE_ARGS) if kind == "ptr" else SCALAR_ARGS if kind in ("i32", "i64", "f32") else ()
         if name not in known:
             entry.fail(f"{entry.where}.args[{j}]", f"{_show(name)} ({_show(kind)}) is not an argument the runtime fills")
@@ -202,7 +220,14 @@ def _backward_kernel(entry: Any, directory: Path, dtypes: tuple[str, ...]) -> Ba
                                            launch.integer("rows_per_cta", 1), launch.text("grid", GRIDS)))
     if not launches:
         entry.fail(entry.key("launches"), "empty")
+    maps: list = []
+    if entry.doc.get("tensor_maps") is not None or any(kind == "tmap" for _, kind in args):
+        if read_maps is None:
+            entry.fail(entry.key("tensor_maps"), "this reader takes no tensor maps")
+        maps = read_maps(entry, args)
+        if any(m.tensor not in TENSOR_MAP_TENSORS for m in maps):
+            entry.fail(entry.key("tensor_maps"), f"a backward maps only {', '.join(TENSOR_MAP_TENSORS)}")
     source_file, source = entry.source("source", directory)
     return BackwardKernelSpec(entry.text("config"), entry.text("dtype", dtypes), entry.integer("head_dim", 1),
                               entry.flag("causal"), source_file, tuple(args), tuple(launches), tuple(workspaces),
-                              entry.flag("deterministic"), source)
+                              entry.flag("deterministic"), source, tuple(maps))

@@ -10,12 +10,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import tensormap
 from .arguments import PackedArguments, element_strides, pack_arguments
-from .backward_file import BackwardKernelSpec
+from .backward_file import TENSOR_MAP_TENSORS, BackwardKernelSpec
 from .checks import DTYPE_NAMES, Coverage, check_grad, check_inputs
 from .dispatch import DispatchTable
 from .kernel_file import ExportData
-from .launch import ALIGNMENT_ERROR, LOG2E, MAX_GRID_ROWS, MAX_PLANS, Launcher, current_device, raw_stream
+from .launch import (ALIGNMENT_ERROR, LOG2E, MAX_GRID_ROWS, MAX_PLANS, Launcher, MapSlot, current_device, encode_maps,
+                     raw_stream, repoint)
 from .loading import KernelCache, import_cupy
 
 Launch = tuple[int, int, int, int, int, int, int, int]
@@ -34,6 +36,8 @@ class BackwardPlan:
     launches: tuple[Launch, ...] = ()
     packed: PackedArguments | None = None
     workspace_floats: int = 0
+    keep: tuple[Any, ...] = ()
+    """Buffers the launches point into (tensor maps), alive as long as the plan."""
 
 
 def well_formed(t: Any) -> bool:
@@ -54,12 +58,28 @@ def _backward_key(q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, is_causal: 
             lse.device, do.device, is_causal, scale, enable_gqa, bool(deterministic))
 
 
+def map_layouts(q: Any, k: Any, v: Any, do: Any, lse: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(shape, strides) of each tensor a backward's maps may name (``TENSOR_MAP_TENSORS``): q, k, v,
+    do, the LSE, and D (the ``Dsum`` workspace: (batch, heads, seq_q) floats, contiguous)."""
+    batch, heads, seq_q = (int(x) for x in q.shape[:3])
+    rows = (tuple(int(x) for x in q.shape[:3]), (heads * seq_q, seq_q, 1))
+    return [(tuple(t.shape), tuple(t.stride())) for t in (q, k, v, do, lse)] + [rows]
+
+
+def map_pointers(q: Any, k: Any, v: Any, do: Any, lse: Any, dsum: int) -> tuple[int, ...]:
+    """The addresses a backward's maps point to in one call, in ``TENSOR_MAP_TENSORS`` order
+    (``dsum``: the address of the call's D workspace)."""
+    return (q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr(), dsum)
+
+
 def make_backward_run(packed: PackedArguments, launches: Sequence[Launch], workspaces: Sequence[tuple[str, int]],
-                      total_floats: int, device: int, launch_kernel: Callable[..., Any]) -> Callable[..., tuple[Any, Any, Any]]:
-    """The per-call work: pointers, dQ, dK, dV and the workspace allocated, the launches queued."""
+                      total_floats: int, device: int, launch_kernel: Callable[..., Any],
+                      maps: Sequence[MapSlot] = ()) -> Callable[..., tuple[Any, Any, Any]]:
+    """The per-call work: pointers, dQ, dK, dV and the workspace allocated, the tensor maps (a
+    dK/dV kernel that loads by TMA) moved to this call's tensors, the launches queued."""
     struct = packed.values
     params_addr = packed.address
-    stream_of, device_now = raw_stream, current_device
+    stream_of, device_now, move_maps, pointers_of = raw_stream, current_device, repoint, map_pointers
     empty_like, empty, f32 = torch.empty_like, torch.empty, torch.float32
     launches = tuple(launches)
     workspaces = tuple(workspaces)
@@ -74,6 +94,8 @@ def make_backward_run(packed: PackedArguments, launches: Sequence[Launch], works
             base = ws.data_ptr()
             for name, offset in workspaces:
                 setattr(struct, name, base + 4 * offset)
+        if maps:
+            move_maps(maps, pointers_of(q, k, v, do, lse, struct.Dsum))
         if device_now() == device:
             stream = stream_of(device)
             for f, gx, gy, gz, bx, by, bz, smem in launches:
@@ -197,15 +219,31 @@ class BackwardLauncher:
         for name, per_row in spec.workspaces:
             offsets.append((name, total))
             total += -(-rows * per_row // WORKSPACE_ALIGN_FLOATS) * WORKSPACE_ALIGN_FLOATS
+        maps, map_at, keep = self._encode_maps(spec, q, k, v, do, lse)
         functions = self.kernels.functions(spec.key, device, spec)
-        packed = pack_arguments(spec.args, values, {})
+        packed = pack_arguments(spec.args, values, map_at)
         launches = tuple((handle, *launch.grid(batch, heads, heads_kv, seq_q, seq_k), *launch.block, launch.smem)
                          for (_, handle), launch in zip(functions, spec.launches))
         cupy = import_cupy()
         if current_device() == device:
             cupy.cuda.runtime.setDevice(device)  # binds the device's context to this thread for the driver-API launch
-        run = make_backward_run(packed, launches, offsets, total, device, cupy.cuda.driver.launchKernel)
-        return BackwardPlan(run, cid, spec, launches, packed, total)
+        run = make_backward_run(packed, launches, offsets, total, device, cupy.cuda.driver.launchKernel, maps)
+        return BackwardPlan(run, cid, spec, launches, packed, total, keep)
+
+    @staticmethod
+    def _encode_maps(spec: BackwardKernelSpec, q: Any, k: Any, v: Any, do: Any, lse: Any
+                     ) -> tuple[tuple[MapSlot, ...], dict[str, int], tuple[Any, ...]]:
+        """Encode the tensor maps of a backward whose dK/dV kernel loads by TMA over these tensors
+        (D's at the LSE's address until the first call re-points it to its workspace)."""
+        if not spec.tensor_maps:
+            return (), {}, ()
+        if lse.data_ptr() & 15:
+            raise ValueError("attention: the backward's LSE needs a 16-byte aligned data pointer for TMA")
+        try:
+            return encode_maps(spec.tensor_maps, TENSOR_MAP_TENSORS, map_layouts(q, k, v, do, lse),
+                               map_pointers(q, k, v, do, lse, lse.data_ptr()), spec.dtype)
+        except tensormap.TensorMapError as exc:
+            raise ValueError(f"attention: {exc}") from None
 
     def explain(self, q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None,
                 enable_gqa: bool = False, deterministic: bool = False) -> dict[str, Any]:

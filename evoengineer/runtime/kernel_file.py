@@ -31,7 +31,7 @@ SCALAR_ARGS = ("B", "H", "H_kv", "S_q", "S_k", "q_sb", "q_sh", "q_ss", "k_sb", "
                "v_sb", "v_sh", "v_ss", "o_sb", "o_sh", "o_ss", "scale_log2", "kv_splits")
 """The scalar arguments the runtime knows how to fill (``kv_splits``: the call's K/V split count,
 ``grid.call_splits``, of a kernel that takes it)."""
-MAP_TENSORS = ("q", "k", "v", "out")
+MAP_TENSORS = ("q", "k", "v", "out", "do", "lse", "dsum")
 MAP_SWIZZLES = (0, 32, 64, 128)
 FEATURE_GQA = "gqa"
 """A kernel with this feature takes a K/V head count (``int H_kv``): grouped-query attention."""
@@ -360,13 +360,28 @@ def parse_kernel_file(doc: Any, path: Path) -> ExportData:
         tables[variant] = table
     if not tables:
         dispatch_doc.fail("dispatch.variants", "empty: the export serves nothing")
-    backward = parse_backward(top, path, lambda entry: _kernel(entry, path.parent), _config_info, DTYPES)
+    backward = parse_backward(top, path, lambda entry: _kernel(entry, path.parent), _config_info, DTYPES, _tensor_maps)
     return ExportData(path, module, namespace, top.text("arch"), top.text("gpu"), dispatch_doc.text("rule"), fallback,
                       configs, kernels, tables, backward)
 
 
 def _config_info(entry: _Fields) -> ConfigInfo:
     return ConfigInfo(entry.text("label"), entry.text("short"), dict(entry.obj("config").doc))
+
+
+def _tensor_maps(entry: _Fields, args: list[tuple[str, str]]) -> list[TensorMapSpec]:
+    """A kernel entry's ``tensor_maps``, one for each of its ``tmap`` arguments."""
+    maps = []
+    for j, item in enumerate(entry.items("tensor_maps")):
+        m = _Fields(item, f"{entry.where}.tensor_maps[{j}]", entry.file)
+        box = m.ints("box", 2)
+        swizzle = m.get("swizzle")
+        if swizzle not in MAP_SWIZZLES or isinstance(swizzle, bool):
+            m.fail(m.key("swizzle"), f"expected one of {MAP_SWIZZLES}, got {_show(swizzle)}")
+        maps.append(TensorMapSpec(m.text("arg"), m.text("tensor", MAP_TENSORS), (box[0], box[1]), int(swizzle)))
+    if sorted(m.arg for m in maps) != sorted(name for name, kind in args if kind == "tmap"):
+        entry.fail(entry.key("tensor_maps"), "must describe each tensor-map argument (kind tmap) once")
+    return maps
 
 
 def _kernel(entry: _Fields, directory: Path) -> KernelSpec:
@@ -386,16 +401,7 @@ def _kernel(entry: _Fields, directory: Path) -> KernelSpec:
     missing = [p for p in POINTER_ARGS if p not in names]
     if missing or len(set(names)) != len(names):
         entry.fail(entry.key("args"), f"must name each of {', '.join(POINTER_ARGS)} once and no argument twice")
-    maps = []
-    for j, item in enumerate(entry.items("tensor_maps")):
-        m = _Fields(item, f"{entry.where}.tensor_maps[{j}]", entry.file)
-        box = m.ints("box", 2)
-        swizzle = m.get("swizzle")
-        if swizzle not in MAP_SWIZZLES or isinstance(swizzle, bool):
-            m.fail(m.key("swizzle"), f"expected one of {MAP_SWIZZLES}, got {_show(swizzle)}")
-        maps.append(TensorMapSpec(m.text("arg"), m.text("tensor", MAP_TENSORS), (box[0], box[1]), int(swizzle)))
-    if sorted(m.arg for m in maps) != sorted(name for name, kind in args if kind == "tmap"):
-        entry.fail(entry.key("tensor_maps"), "must describe each tensor-map argument (kind tmap) once")
+    maps = _tensor_maps(entry, args)
     launches = []
     for j, item in enumerate(entry.items("launches")):
         launch = _Fields(item, f"{entry.where}.launches[{j}]", entry.file)

@@ -43,7 +43,31 @@ current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", None) o
 # -- tensor maps ----------------------------------------------------------------------------------
 
 MapSlot = tuple[int, int, list]
-"""(index of the tensor in (q, k, v, out), address of its encoded map, [the pointer it holds])."""
+"""(index of the tensor in the launch's pointers ((q, k, v, out) for a forward), address of its
+encoded map, [the pointer it holds])."""
+FORWARD_SLOTS = ("q", "k", "v", "out")
+"""The tensors a forward's maps may name, in the order of its call's pointers."""
+
+
+def encode_maps(tensor_maps: Sequence[Any], slots: Sequence[str], layouts: Sequence[tuple[Sequence[int], Sequence[int]]],
+                pointers: Sequence[int], dtype: str) -> tuple[tuple[MapSlot, ...], dict[str, int], tuple[Any, ...]]:
+    """Encode ``tensor_maps`` (each naming one of ``slots``) over tensors of these (shape, strides),
+    one per slot, at these pointers: the slots re-pointed per call (``repoint``), each map's
+    address by argument name (``pack_arguments``) and the storage to keep alive.
+    ``tensormap.TensorMapError`` for a tensor the map cannot describe."""
+    if not tensor_maps:
+        return (), {}, ()
+    storage = tensormap.MapStorage(len(tensor_maps))
+    driver = tensormap.driver()
+    maps: tuple[MapSlot, ...] = ()
+    map_at: dict[str, int] = {}
+    for m, at in zip(tensor_maps, storage.addresses):
+        slot = list(slots).index(m.tensor)
+        shape, strides = layouts[slot]
+        driver.encode(at, tensormap.map_geometry(m, shape, strides, dtype), pointers[slot])
+        maps += ((slot, at, [pointers[slot]]),)
+        map_at[m.arg] = at
+    return maps, map_at, (storage,)
 
 
 def repoint(maps: Sequence[MapSlot], pointers: Sequence[int]) -> None:
@@ -273,24 +297,14 @@ class Launcher:
         ``varlen.packed_view``s, which share their tensors' addresses)."""
         if not spec.tensor_maps:
             return (), {}, ()
-        storage = tensormap.MapStorage(len(spec.tensor_maps))
-        tensors = {"q": q, "k": k, "v": v, "out": out_meta}
         pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.data_ptr())
         if any(p & 15 for p in pointers):
             raise ValueError(ALIGNMENT_ERROR)
-        slots = ("q", "k", "v", "out")
-        maps: tuple[MapSlot, ...] = ()
-        map_at: dict[str, int] = {}
+        layouts = [(t.shape, t.stride()) for t in (q, k, v, out_meta)]
         try:
-            driver = tensormap.driver()
-            for m, at in zip(spec.tensor_maps, storage.addresses):
-                t, slot = tensors[m.tensor], slots.index(m.tensor)
-                driver.encode(at, tensormap.map_geometry(m, t.shape, t.stride(), spec.dtype), pointers[slot])
-                maps += ((slot, at, [pointers[slot]]),)
-                map_at[m.arg] = at
+            return encode_maps(spec.tensor_maps, FORWARD_SLOTS, layouts, pointers, spec.dtype)
         except tensormap.TensorMapError as exc:
             raise ValueError(f"attention: {exc}") from None
-        return maps, map_at, (storage,)
 
     def explain(self, q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None,
                 enable_gqa: bool = False, *, window_size: Any = None, softcap: float | None = None,

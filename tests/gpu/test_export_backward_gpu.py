@@ -8,7 +8,8 @@ steps through ``register_hf`` against SDPA.
 The export comes from a replayed run of a tiny space over fp16 and bf16, D64 and D128, causal
 and full (one mma configuration), exported with each head dim's default backward; the gradient,
 compile and CUDA-graph tests also run an export of a wgmma forward (sm_90 GPUs), whose LSE
-forward is that wgmma configuration writing the LSE."""
+forward is that wgmma configuration writing the LSE, and the same export with the wgmma backward
+that loads by TMA (``--backward w64n128-tma``: tensor maps encoded per plan, re-pointed per call)."""
 from __future__ import annotations
 
 import importlib.util
@@ -40,9 +41,9 @@ WGMMA_FORWARD = Config(PATH="wgmma", BLOCK_M=128, BLOCK_N=128, CONSUMER_WGS=2, I
 writing the LSE (``kernels.backward_rules.forward_lse_config``)."""
 
 
-def _export(root: Path, forward: Config, arch: str, name: str):
+def _export(root: Path, forward: Config, arch: str, name: str, backward: tuple[str, ...] = ()):
     """Replay a one-configuration run of a tiny space, export it with each head dim's default
-    backward, and import the export."""
+    backward (or ``backward``: ``--backward`` values), and import the export."""
     import yaml
 
     space = {
@@ -59,7 +60,7 @@ def _export(root: Path, forward: Config, arch: str, name: str):
         {"config": forward.to_dict(), "key": forward.key(), "status": "ok", "reason": "", "objective_us": 10.0}) + "\n")
     run, out = root / "run", root / "best"
     for args in (("search", "--space", "tiny.yaml", "--replay", "rec.jsonl", "--run-dir", str(run), "--quiet"),
-                 ("export", str(run), "--rank", "1", "--out", str(out))):
+                 ("export", str(run), "--rank", "1", "--out", str(out), *(f"--backward={b}" for b in backward))):
         done = subprocess.run([sys.executable, "-m", "evoengineer", *args], capture_output=True, text=True, cwd=root,
                               timeout=600)
         assert done.returncode == 0, done.stderr + done.stdout
@@ -86,10 +87,30 @@ def wgmma_module(tmp_path_factory: pytest.TempPathFactory):
     return _export(tmp_path_factory.mktemp("export_bwd_wgmma"), WGMMA_FORWARD, "sm_90a", "evo_attention_train_wgmma")
 
 
-@pytest.fixture(params=["mma", "wgmma"])
+@pytest.fixture(scope="module")
+def tma_module(tmp_path_factory: pytest.TempPathFactory):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma forward and backward need an sm_90 GPU (H100, H200)")
+    return _export(tmp_path_factory.mktemp("export_bwd_tma"), WGMMA_FORWARD, "sm_90a", "evo_attention_train_tma",
+                   backward=("w64n128-tma",))
+
+
+@pytest.fixture(params=["mma", "wgmma", "tma"])
 def either_module(request):
-    """The export whose LSE forward is the mma kernel, and the one whose LSE forward is its own wgmma forward."""
-    return request.getfixturevalue("module" if request.param == "mma" else "wgmma_module")
+    """The export whose LSE forward is the mma kernel, the one whose LSE forward is its own wgmma forward,
+    and that one with the backward that loads by TMA."""
+    return request.getfixturevalue({"mma": "module", "wgmma": "wgmma_module", "tma": "tma_module"}[request.param])
+
+
+def test_the_tma_export_runs_the_tma_backward(tma_module) -> None:
+    backward = tma_module.KERNEL_JSON["backward"]
+    chosen = {backward["configs"][v["fallback"]]["config"].get("LOAD") for v in backward["variants"]}
+    assert chosen == {"tma"}
+    assert all(k["args"][-1] == ["tm_dsum", "tmap"] for k in backward["kernels"] if k["config"] in
+               {v["fallback"] for v in backward["variants"]})
+    q, k, v, _ = _inputs(1, 8, 2, 300, 300, 128, "fp16")
+    plan = tma_module.explain_backward(q, k, v, is_causal=True, enable_gqa=True)
+    assert plan["short"] == "bwd wgmma 64x128 st2 tma atomic" and plan["launches"][1]["block"] == (384, 1, 1)
 
 
 def test_the_wgmma_export_trains_through_its_own_forward(wgmma_module) -> None:
