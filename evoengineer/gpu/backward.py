@@ -96,7 +96,7 @@ class BackwardKernel:
                               f"got {lse.dtype} {tuple(lse.shape)}")
         if len({t.device for t in (q, k, v, o, lse, do, dq, dk, dv)}) != 1:
             raise LaunchError("all tensors must be on one device")
-        layouts = map_layouts(q, k, v, do, lse)
+        layouts = map_layouts(q, k, v, do)
         for spec in self.rendered.tensor_maps:
             shape, strides = layouts[TENSOR_MAP_TENSORS.index(spec.tensor)]
             try:
@@ -154,8 +154,8 @@ class BackwardKernel:
 
         assert self._maps is not None
         dtype = self.rendered.variant.dtype
-        layouts = map_layouts(q, k, v, do, lse)
-        pointers = map_pointers(q, k, v, do, lse, dsum.data_ptr())
+        layouts = map_layouts(q, k, v, do)
+        pointers = map_pointers(q, k, v, do)
         addresses = {}
         try:
             for spec, at in zip(self.rendered.tensor_maps, self._maps.addresses):

@@ -115,9 +115,8 @@ def parameter_kinds(params: str) -> list[tuple[str, str]]:
     return out
 
 
-TENSOR_MAP_TENSORS = ("q", "k", "v", "out", "do", "lse", "dsum")
-"""Tensors a map may name: the forward's q, k, v, out; the backward's output gradient (do) and its
-fp32 rows (lse, dsum: 1-D maps, ``runtime.tensormap.FLAT_TENSORS``)."""
+TENSOR_MAP_TENSORS = ("q", "k", "v", "out", "do")
+"""Tensors a map may name: the forward's q, k, v, out; the backward's output gradient (do)."""
 TENSOR_MAP_SWIZZLES = (0, 32, 64, 128)
 
 

@@ -23,9 +23,10 @@ Parameters:
   warpgroup does, into a ring of STAGES stages with full and empty mbarriers, the consumers only
   wait (beside two consumer warpgroups, setmaxnreg moves registers to them: ``REGISTERS``),
 - ``LOAD``: ``cpasync`` (the producer's 128 threads copy) or ``tma`` (needs PRODUCER 1): one producer thread
-  loads K and V once and each stage's Q and dO (4-D tensor maps) and LSE and D (1-D tensor maps over the
-  B * H * S_q floats) by cp.async.bulk.tensor, one expect_tx a stage; 16 bytes more shared memory (K's and
-  V's mbarrier). The kernel then takes six tensor maps after the backward's arguments (``TENSOR_MAPS``).
+  loads K and V once and each stage's Q and dO by cp.async.bulk.tensor (4-D tensor maps), one expect_tx a
+  stage, while the producer's threads copy LSE and D by cp.async (4 bytes a row: a head's rows start
+  anywhere); 16 bytes more shared memory (K's and V's mbarrier). The kernel then takes four tensor maps
+  after the backward's arguments (``TENSOR_MAPS``).
 
 Not yet: a deterministic dQ pass.
 """
@@ -40,7 +41,7 @@ TEMPLATE = "flash_attention_bwd"
 PARAMS = ("BLOCK_M", "BLOCK_N", "CONSUMER_WGS", "STAGES", "DQ_MODE", "PRODUCER", "LOAD")
 DEFAULTS: dict[str, Any] = {"CONSUMER_WGS": 1, "STAGES": 2, "DQ_MODE": "atomic", "PRODUCER": 0, "LOAD": "cpasync"}
 LOADS = ("cpasync", "tma")
-TENSOR_MAPS = ("q", "k", "v", "do", "lse", "dsum")
+TENSOR_MAPS = ("q", "k", "v", "do")
 """The tensors the dK/dV kernel maps with LOAD tma, in the order of its tensor-map arguments."""
 HEAD_DIMS = (64, 128)
 DQ_MODES = ("atomic",)

@@ -36,7 +36,7 @@ SCALAR_ARGS = ("B", "H", "H_kv", "S_q", "S_k", "scale", "scale_log2",
                *(f"{t}_s{d}" for t in TENSORS for d in "bhs"))
 """The backward's scalar arguments: sizes, the tensors' strides (elements), the softmax scale."""
 GRIDS = ("q", "kv")
-TENSOR_MAP_TENSORS = ("q", "k", "v", "do", "lse", "dsum")
+TENSOR_MAP_TENSORS = ("q", "k", "v", "do")
 """What a backward's tensor maps name, in the order of the pointers a call re-points them to
 (``backward_launch.map_pointers``)."""
 

@@ -58,18 +58,14 @@ def _backward_key(q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, is_causal: 
             lse.device, do.device, is_causal, scale, enable_gqa, bool(deterministic))
 
 
-def map_layouts(q: Any, k: Any, v: Any, do: Any, lse: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(shape, strides) of each tensor a backward's maps may name (``TENSOR_MAP_TENSORS``): q, k, v,
-    do, the LSE, and D (the ``Dsum`` workspace: (batch, heads, seq_q) floats, contiguous)."""
-    batch, heads, seq_q = (int(x) for x in q.shape[:3])
-    rows = (tuple(int(x) for x in q.shape[:3]), (heads * seq_q, seq_q, 1))
-    return [(tuple(t.shape), tuple(t.stride())) for t in (q, k, v, do, lse)] + [rows]
+def map_layouts(q: Any, k: Any, v: Any, do: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(shape, strides) of each tensor a backward's maps may name (``TENSOR_MAP_TENSORS``)."""
+    return [(tuple(t.shape), tuple(t.stride())) for t in (q, k, v, do)]
 
 
-def map_pointers(q: Any, k: Any, v: Any, do: Any, lse: Any, dsum: int) -> tuple[int, ...]:
-    """The addresses a backward's maps point to in one call, in ``TENSOR_MAP_TENSORS`` order
-    (``dsum``: the address of the call's D workspace)."""
-    return (q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr(), dsum)
+def map_pointers(q: Any, k: Any, v: Any, do: Any) -> tuple[int, ...]:
+    """The addresses a backward's maps point to in one call, in ``TENSOR_MAP_TENSORS`` order."""
+    return (q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr())
 
 
 def make_backward_run(packed: PackedArguments, launches: Sequence[Launch], workspaces: Sequence[tuple[str, int]],
@@ -95,7 +91,7 @@ def make_backward_run(packed: PackedArguments, launches: Sequence[Launch], works
             for name, offset in workspaces:
                 setattr(struct, name, base + 4 * offset)
         if maps:
-            move_maps(maps, pointers_of(q, k, v, do, lse, struct.Dsum))
+            move_maps(maps, pointers_of(q, k, v, do))
         if device_now() == device:
             stream = stream_of(device)
             for f, gx, gy, gz, bx, by, bz, smem in launches:
@@ -219,7 +215,7 @@ class BackwardLauncher:
         for name, per_row in spec.workspaces:
             offsets.append((name, total))
             total += -(-rows * per_row // WORKSPACE_ALIGN_FLOATS) * WORKSPACE_ALIGN_FLOATS
-        maps, map_at, keep = self._encode_maps(spec, q, k, v, do, lse)
+        maps, map_at, keep = self._encode_maps(spec, q, k, v, do)
         functions = self.kernels.functions(spec.key, device, spec)
         packed = pack_arguments(spec.args, values, map_at)
         launches = tuple((handle, *launch.grid(batch, heads, heads_kv, seq_q, seq_k), *launch.block, launch.smem)
@@ -231,17 +227,14 @@ class BackwardLauncher:
         return BackwardPlan(run, cid, spec, launches, packed, total, keep)
 
     @staticmethod
-    def _encode_maps(spec: BackwardKernelSpec, q: Any, k: Any, v: Any, do: Any, lse: Any
+    def _encode_maps(spec: BackwardKernelSpec, q: Any, k: Any, v: Any, do: Any
                      ) -> tuple[tuple[MapSlot, ...], dict[str, int], tuple[Any, ...]]:
-        """Encode the tensor maps of a backward whose dK/dV kernel loads by TMA over these tensors
-        (D's at the LSE's address until the first call re-points it to its workspace)."""
+        """Encode the tensor maps of a backward whose dK/dV kernel loads by TMA over these tensors."""
         if not spec.tensor_maps:
             return (), {}, ()
-        if lse.data_ptr() & 15:
-            raise ValueError("attention: the backward's LSE needs a 16-byte aligned data pointer for TMA")
         try:
-            return encode_maps(spec.tensor_maps, TENSOR_MAP_TENSORS, map_layouts(q, k, v, do, lse),
-                               map_pointers(q, k, v, do, lse, lse.data_ptr()), spec.dtype)
+            return encode_maps(spec.tensor_maps, TENSOR_MAP_TENSORS, map_layouts(q, k, v, do),
+                               map_pointers(q, k, v, do), spec.dtype)
         except tensormap.TensorMapError as exc:
             raise ValueError(f"attention: {exc}") from None
 

@@ -31,7 +31,7 @@ SCALAR_ARGS = ("B", "H", "H_kv", "S_q", "S_k", "q_sb", "q_sh", "q_ss", "k_sb", "
                "v_sb", "v_sh", "v_ss", "o_sb", "o_sh", "o_ss", "scale_log2", "kv_splits")
 """The scalar arguments the runtime knows how to fill (``kv_splits``: the call's K/V split count,
 ``grid.call_splits``, of a kernel that takes it)."""
-MAP_TENSORS = ("q", "k", "v", "out", "do", "lse", "dsum")
+MAP_TENSORS = ("q", "k", "v", "out", "do")
 MAP_SWIZZLES = (0, 32, 64, 128)
 FEATURE_GQA = "gqa"
 """A kernel with this feature takes a K/V head count (``int H_kv``): grouped-query attention."""

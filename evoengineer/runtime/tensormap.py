@@ -2,9 +2,7 @@
 
 A kernel that declares ``// TENSOR_MAP`` lines takes one ``const __grid_constant__ CUtensorMap``
 per line after the common arguments: a 4-D map over the named tensor as (head_dim, seq, heads,
-batch), innermost first, with the tensor's own strides; or, for the backward's fp32 rows
-(``FLAT_TENSORS``: the LSE and D = rowsum(dO * O), (batch, heads, seq) contiguous), a 1-D map over
-all their floats. ``map_geometry`` computes and checks
+batch), innermost first, with the tensor's own strides. ``map_geometry`` computes and checks
 what ``cuTensorMapEncodeTiled`` takes (pure); ``Driver`` calls the CUDA driver through ctypes on
 ``libcuda.so.1`` (no extra dependency); ``MapStorage`` holds maps 64-byte aligned, as the driver
 requires. A map encodes the tensor's address, so a call with other tensors of the same shape
@@ -23,11 +21,6 @@ MAP_BYTES = 128
 MAP_ALIGN = 64
 DATA_TYPES = {"fp16": 6, "bf16": 9}
 """``CU_TENSOR_MAP_DATA_TYPE_FLOAT16`` and ``_BFLOAT16``."""
-FLOAT32 = 7
-"""``CU_TENSOR_MAP_DATA_TYPE_FLOAT32``: the element of a flat map."""
-FLAT_TENSORS = ("lse", "dsum")
-"""Tensors mapped in 1-D: a box of ``box[0]`` floats from any element (box (floats, 1), no swizzle)."""
-MAX_COORDINATE = 2**31 - 1
 """TMA coordinates are signed 32-bit: a flat map's element count stays below this."""
 SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}
 """Swizzle span in bytes -> ``CU_TENSOR_MAP_SWIZZLE_NONE``, ``_32B``, ``_64B``, ``_128B``."""
@@ -83,9 +76,7 @@ def map_geometry(spec: MapSpec, shape: Sequence[int], strides: Sequence[int], dt
     box breaks a rule of the driver: rows and strides multiples of 16 bytes and non-zero, the
     box's columns a multiple of 16 bytes within the swizzle span, box dimensions 1..256. The
     boxes may run past head_dim (a head dim not a multiple of the box's columns): the TMA reads
-    zeros there and clips stores. A flat tensor (``FLAT_TENSORS``) goes to ``flat_geometry``."""
-    if spec.tensor in FLAT_TENSORS:
-        return flat_geometry(spec, shape, strides)
+    zeros there and clips stores."""
     if len(shape) != 4 or len(strides) != 4:
         raise TensorMapError(f"tensor map {spec.arg}: expected a 4-D (batch, heads, seq, head_dim) tensor, got shape {tuple(shape)}")
     if dtype not in DATA_TYPES:
@@ -115,27 +106,6 @@ def map_geometry(spec: MapSpec, shape: Sequence[int], strides: Sequence[int], dt
     b_stride, h_stride, s_stride = byte_strides
     return MapGeometry(DATA_TYPES[dtype], (head_dim, seq, heads, batch), (s_stride, h_stride, b_stride),
                        (columns, rows, 1, 1), SWIZZLES[spec.swizzle])
-
-
-def flat_geometry(spec: MapSpec, shape: Sequence[int], strides: Sequence[int]) -> MapGeometry:
-    """The 1-D map of ``spec`` over a contiguous fp32 (batch, heads, seq) tensor: all its floats,
-    a box of ``spec.box[0]`` floats (a multiple of 4: 16 bytes, at most 256), no swizzle; elements
-    past the end arrive as zeros. TensorMapError otherwise."""
-    columns, rows = spec.box
-    if rows != 1 or spec.swizzle or not (1 <= columns <= 256) or (columns * 4) % 16:
-        raise TensorMapError(f"tensor map {spec.arg}: a flat map of {spec.tensor} takes a box of (floats, 1), 4 to 256 "
-                             f"floats in 16-byte steps, no swizzle; got box {tuple(spec.box)}, swizzle {spec.swizzle}")
-    count, natural = 1, []
-    for extent in reversed([int(x) for x in shape]):
-        natural.insert(0, count)
-        count *= extent
-    if any(int(extent) != 1 and int(s) != n for extent, s, n in zip(shape, strides, natural)):
-        raise TensorMapError(f"tensor map {spec.arg}: {spec.tensor} must be contiguous, got shape {tuple(shape)} "
-                             f"and strides {tuple(strides)}")
-    if not 1 <= count <= MAX_COORDINATE:
-        raise TensorMapError(f"tensor map {spec.arg}: {spec.tensor} holds {count} floats; a flat map takes 1 to "
-                             f"{MAX_COORDINATE} (split the batch)")
-    return MapGeometry(FLOAT32, (count,), (), (columns,), SWIZZLES[0])
 
 
 def check_address(spec: MapSpec, address: int) -> None:

@@ -106,7 +106,7 @@ def test_the_tma_export_runs_the_tma_backward(tma_module) -> None:
     backward = tma_module.KERNEL_JSON["backward"]
     chosen = {backward["configs"][v["fallback"]]["config"].get("LOAD") for v in backward["variants"]}
     assert chosen == {"tma"}
-    assert all(k["args"][-1] == ["tm_dsum", "tmap"] for k in backward["kernels"] if k["config"] in
+    assert all(k["args"][-1] == ["tm_do", "tmap"] for k in backward["kernels"] if k["config"] in
                {v["fallback"] for v in backward["variants"]})
     q, k, v, _ = _inputs(1, 8, 2, 300, 300, 128, "fp16")
     plan = tma_module.explain_backward(q, k, v, is_causal=True, enable_gqa=True)
