@@ -26,8 +26,7 @@ step, say). Every kernel takes the same argument list, see ``KERNEL_ARGS``, foll
 one ``const __grid_constant__ CUtensorMap`` per ``// TENSOR_MAP`` line, in their order
 (kernels that load by TMA): a 4-D map over the named tensor (``q``, ``k``, ``v``, ``out`` or,
 in the backward, ``do``) as (head_dim, seq, heads, batch) with its strides, copied in boxes of
-``box`` = (columns, rows), shared memory swizzled as ``swizzle`` bytes (0, 32, 64, 128); or a
-1-D map over the backward's fp32 rows (``lse``, ``dsum``: B * H * S_q floats), box (floats, 1).
+``box`` = (columns, rows), shared memory swizzled as ``swizzle`` bytes (0, 32, 64, 128).
 A backward's dK/dV kernel takes its maps after the backward's argument list (``// BWD_ARGS``).
 
 Templates see the configuration's parameters plus ``HEAD_DIM``, ``CAUSAL`` and ``DTYPE``

@@ -21,7 +21,6 @@ MAP_BYTES = 128
 MAP_ALIGN = 64
 DATA_TYPES = {"fp16": 6, "bf16": 9}
 """``CU_TENSOR_MAP_DATA_TYPE_FLOAT16`` and ``_BFLOAT16``."""
-"""TMA coordinates are signed 32-bit: a flat map's element count stays below this."""
 SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}
 """Swizzle span in bytes -> ``CU_TENSOR_MAP_SWIZZLE_NONE``, ``_32B``, ``_64B``, ``_128B``."""
 INTERLEAVE_NONE = 0
