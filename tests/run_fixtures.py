@@ -126,3 +126,28 @@ def recorded_keys(run: Path) -> list[str]:
     if not path.exists():
         return []
     return [json.loads(line)["key"] for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def stand_in_driver(calls: list, status: int = 0) -> tuple:
+    """A ``runtime.tensormap.Driver`` whose functions are C callbacks recording their arguments
+    (libcuda's prototypes and calls): ("encode", map, data type, rank, address, dims[:4],
+    strides[:3], box[:4], element strides[:4], interleave, swizzle, L2 promotion, fill), each map
+    filled with 0xAB, or ("replace", map, address); each returns ``status``. Keep the second value
+    alive while the driver is used."""
+    import ctypes
+
+    from evoengineer.runtime import tensormap
+
+    def encode(out, dtype, rank, address, dims, strides, box, elems, interleave, swizzle, l2, oob):
+        calls.append(("encode", out, dtype, rank, address, dims[:4], strides[:3], box[:4], elems[:4], interleave,
+                      swizzle, l2, oob))
+        ctypes.memset(out, 0xAB, tensormap.MAP_BYTES)
+        return status
+
+    def replace(out, address):
+        calls.append(("replace", out, address))
+        return status
+
+    keep = [tensormap._ENCODE(encode), tensormap._REPLACE(replace)]
+    return tensormap.Driver(*[ctypes.cast(f, ctypes.c_void_p).value for f in keep]), keep
+

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_fixtures import make_run
+from run_fixtures import make_run, stand_in_driver
 
 from evoengineer import paths
 from evoengineer.kernels import RenderError, compile_many, render
@@ -132,23 +132,9 @@ def test_the_maps_describe_each_tensor_with_its_own_strides() -> None:
     assert g.strides == (2 * 256, 256, 301 * 2 * 256)   # k's (B, S, H, D) storage
 
 
-def _stand_in_driver(calls: list) -> tuple[tensormap.Driver, list]:
-    def encode(out, dtype, rank, address, dims, strides, box, elems, interleave, swizzle, l2, oob):
-        calls.append(("encode", out, dtype, rank, address, dims[:rank], strides[:rank - 1], box[:rank], elems[:rank],
-                      swizzle, oob))
-        return 0
-
-    def replace(out, address):
-        calls.append(("replace", out, address))
-        return 0
-
-    keep = [tensormap._ENCODE(encode), tensormap._REPLACE(replace)]
-    return tensormap.Driver(*[ctypes.cast(f, ctypes.c_void_p).value for f in keep]), keep
-
-
 def test_a_backward_plan_encodes_its_maps_and_packs_them_after_the_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list = []
-    drv, _keep = _stand_in_driver(calls)
+    drv, _keep = stand_in_driver(calls)
     monkeypatch.setattr(tensormap, "_DRIVER", [drv])
     rendered = render(BACKWARD_TEMPLATE, TMA, Variant(128, False, "fp16"))
 

@@ -4,7 +4,6 @@ grids, and exports whose names carry hostile text, imported in a fresh process o
 from __future__ import annotations
 
 import copy
-import ctypes
 import itertools
 import json
 import os
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_fixtures import load_module, make_run
+from run_fixtures import load_module, make_run, stand_in_driver
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from evoengineer.space.model import path_component  # the space name as the parser keeps it
@@ -231,20 +230,6 @@ def test_a_second_copy_of_an_export_shares_its_op(tmp_path: Path) -> None:
 # -- tensor maps through a stand-in driver -------------------------------------------------------
 
 
-def _stand_in_driver(calls: list) -> tuple[tensormap.Driver, list]:
-    """A ``Driver`` whose functions are C callbacks recording their arguments (libcuda's prototypes)."""
-    def encode(out, dtype, rank, address, dims, strides, box, elems, interleave, swizzle, l2, oob):
-        calls.append(("encode", out, dtype, rank, address, dims[:4], strides[:3], box[:4], elems[:4], interleave, swizzle, l2, oob))
-        return 0
-
-    def replace(out, address):
-        calls.append(("replace", out, address))
-        return 0
-
-    keep = [tensormap._ENCODE(encode), tensormap._REPLACE(replace)]
-    return tensormap.Driver(*[ctypes.cast(f, ctypes.c_void_p).value for f in keep]), keep
-
-
 def test_a_tma_plan_encodes_each_map_once_and_repoints_it_per_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher's tensor maps: the encoder's arguments per map (the output's at q's address
     until a call re-points it), then a replace only for a tensor that moved."""
@@ -255,7 +240,7 @@ def test_a_tma_plan_encodes_each_map_once_and_repoints_it_per_call(tmp_path: Pat
     spec = export.data.kernels[("fp16", 64, False, "a")]
     assert [m.arg for m in spec.tensor_maps] == ["tm_q", "tm_k", "tm_out"] and isinstance(spec.tensor_maps[0], TensorMapSpec)
     calls: list = []
-    drv, _keep = _stand_in_driver(calls)
+    drv, _keep = stand_in_driver(calls)
     monkeypatch.setattr(tensormap, "_DRIVER", [drv])
     q = torch.empty(2, 300, 4, 64, dtype=torch.float16).transpose(1, 2)      # (B, S, H, D) storage
     k = torch.empty(2, 4, 500, 64, dtype=torch.float16)

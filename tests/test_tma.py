@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_fixtures import load_module, make_run
+from run_fixtures import load_module, make_run, stand_in_driver
 
 from evoengineer import paths
 from evoengineer.gpu.launch import argument_values
@@ -287,28 +287,9 @@ def test_tensors_a_map_cannot_describe_are_clear_errors(shape, strides, box, mat
         check_address(K_MAP, 0x1008)
 
 
-def _stand_in_driver(calls: list, status: int = 0) -> tuple[Driver, list]:
-    """A ``Driver`` whose functions are C callbacks recording their arguments (the same ctypes
-    prototypes and calls as libcuda's)."""
-    from evoengineer.gpu import tensormap
-
-    def encode(out, dtype, rank, address, dims, strides, box, elems, interleave, swizzle, l2, oob):
-        calls.append(("encode", out, dtype, rank, address, dims[:4], strides[:3], box[:4], elems[:4], interleave, swizzle, l2, oob))
-        ctypes.memset(out, 0xAB, MAP_BYTES)
-        return status
-
-    def replace(out, address):
-        calls.append(("replace", out, address))
-        return status
-
-    keep = [tensormap._ENCODE(encode), tensormap._REPLACE(replace)]
-    addresses = [ctypes.cast(f, ctypes.c_void_p).value for f in keep]
-    return Driver(*addresses), keep
-
-
 def test_the_driver_is_called_with_the_maps_geometry() -> None:
     calls: list = []
-    drv, _keep = _stand_in_driver(calls)
+    drv, _keep = stand_in_driver(calls)
     storage = MapStorage(3)
     assert all(a % 64 == 0 for a in storage.addresses) and storage.addresses[2] - storage.addresses[0] == 2 * MAP_BYTES
     k = torch.empty(2, 4, 300, 128, dtype=torch.float16)
@@ -322,7 +303,7 @@ def test_the_driver_is_called_with_the_maps_geometry() -> None:
 
 
 def test_a_refusal_of_the_driver_is_an_error_naming_the_map() -> None:
-    drv, _keep = _stand_in_driver([], status=1)
+    drv, _keep = stand_in_driver([], status=1)
     k = torch.empty(1, 1, 64, 64, dtype=torch.float16)
     storage = MapStorage(1)  # alive while the stand-in writes into it
     with pytest.raises(TensorMapError, match=r"cuTensorMapEncodeTiled failed \(CUresult 1\) for dims \(64, 64, 1, 1\)"):
