@@ -12,7 +12,7 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from ..kernels import Rendered
 from ..kernels.render import FEATURE_ARGS
@@ -195,14 +195,12 @@ class AttentionKernel:
             ws_ptr = counter.data_ptr()
         extra = feature_values(features)
         if self._maps is not None:
-            values = {**argument_values(q, k, v, out, ws_ptr, scale * LOG2E), **extra, "kv_splits": splits}
+            values = {**argument_values(q, k, v, out, ws_ptr, scale * LOG2E, (batch, heads, heads_kv, seq_q, seq_k),
+                                        strides), **extra, "kv_splits": splits}
             map_tensors = (q, k, v, out)
-            if packed is not None:   # the launch's dimensions and strides, the maps over every token as one batch
+            if packed is not None:   # the maps over every token as one batch
                 from ..runtime.varlen import packed_view
 
-                values.update(zip(("B", "H", "H_kv", "S_q", "S_k"), (batch, heads, heads_kv, seq_q, seq_k)))
-                for name, group in zip("qkvo", strides):
-                    values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_ss"), group))
                 map_tensors = tuple(packed_view(t) for t in (q, k, v, out))
             self._launch_with_maps(*map_tensors, values, splits, (batch, heads, heads_kv, seq_q))
             del counter  # the launch is queued: the counter's memory may go back to torch's allocator
@@ -274,15 +272,20 @@ def multiprocessors(device: Any) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def argument_values(q: Any, k: Any, v: Any, out: Any, ws_ptr: int, scale_log2: float) -> dict[str, int | float]:
-    """The common kernel arguments (``KERNEL_ARGS``) of one call, by name."""
+def argument_values(q: Any, k: Any, v: Any, out: Any, ws_ptr: int, scale_log2: float,
+                    dims: Sequence[int] | None = None, strides: Sequence[Sequence[int]] | None = None
+                    ) -> dict[str, int | float]:
+    """The common kernel arguments (``KERNEL_ARGS``) of one call, by name: (B, H, H_kv, S_q, S_k)
+    ``dims`` and the (batch, head, row) ``strides`` of q, k, v and out, by default the tensors' own
+    (packed sequences pass ``dimensions`` and ``runtime.varlen.packed_strides``)."""
+    dims = dims or dimensions(q, k)
+    strides = strides or [t.stride()[:3] for t in (q, k, v, out)]
     values: dict[str, int | float] = {
         "Q": q.data_ptr(), "K": k.data_ptr(), "V": v.data_ptr(), "O": out.data_ptr(), "WS": ws_ptr,
-        "B": q.shape[0], "H": q.shape[1], "H_kv": k.shape[1], "S_q": q.shape[2], "S_k": k.shape[2],
-        "scale_log2": scale_log2,
+        **dict(zip(("B", "H", "H_kv", "S_q", "S_k"), dims)), "scale_log2": scale_log2,
     }
-    for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
-        values.update({f"{name}_sb": t.stride(0), f"{name}_sh": t.stride(1), f"{name}_ss": t.stride(2)})
+    for name, group in zip("qkvo", strides):
+        values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_ss"), group))
     return values
 
 
