@@ -53,7 +53,8 @@ def test_the_tma_variant_declares_four_maps_taken_by_the_dkdv_kernel_only() -> N
         assert parameter_kinds(" ".join(params.split())) == backward_arguments(rendered)
     # one expect_tx a stage: Q and dO (2 BM D bytes each); K and V once; LSE and D by the producer's 128 threads
     assert "STAGE_TX = 4u * BM * D;" in rendered.source and "KV_TX = 4u * BN * D;" in rendered.source
-    assert "mbar_init(bars + 8 * s, 129);" in rendered.source and "mbar_wait(bars + KV_BAR, 0);" in rendered.source
+    assert "mbar_init(bars + 8 * s, 1 + LSE_THREADS);" in rendered.source and "LSE_THREADS = DQ_BULK ? 64 : 128;" in rendered.source
+    assert "constexpr bool DQ_BULK = false;" in rendered.source and "mbar_wait(bars + KV_BAR, 0);" in rendered.source
     launches = backward_launches(rendered)
     assert launches[1].smem == smem_bytes(TMA, 128)["attn_bwd_dkdv"] == smem_bytes(CPASYNC, 128)["attn_bwd_dkdv"] + 16
     cpasync = render(BACKWARD_TEMPLATE, CPASYNC, Variant(128, True, "bf16"))
@@ -76,10 +77,34 @@ def test_the_rules_and_the_template_refuse_tma_without_a_producer() -> None:
     assert not problems(TMA, 64) and not problems(TMA, 128)
 
 
+def test_dq_mode_bulk_needs_tma_and_reduces_dq_by_bulk_reductions() -> None:
+    """DQ_MODE bulk: refused without LOAD tma (rules and template); its shared memory is the path rule's (the
+    template's static_assert compiles); the dK/dV kernel's SASS adds dQ by bulk reductions (UBLKRED), the
+    atomic twin by vector reductions only."""
+    cpasync = wgmma_config(64, 128, producer=1, dq_mode="bulk")
+    assert [p for p in problems(cpasync, 128) if "wgmma." in p] and all("wgmma.dq-bulk" in p for p in problems(cpasync, 128))
+    with pytest.raises(RenderError, match="BWD_WGMMA_REQUIRES_DQ_MODE_ATOMIC_OR_BULK_WITH_LOAD_TMA"):
+        render(BACKWARD_TEMPLATE, cpasync, Variant(128, False, "fp16"))
+    bulk = WGMMA_CONFIGS[128]["w64n128-bulk"]
+    assert bulk == TMA.replace(DQ_MODE="bulk") and not problems(bulk, 128)
+    rendered = render(BACKWARD_TEMPLATE, bulk, Variant(128, True, "bf16"))
+    assert backward_launches(rendered)[1].smem == smem_bytes(bulk, 128)["attn_bwd_dkdv"] == \
+        smem_bytes(TMA, 128)["attn_bwd_dkdv"] + 2 * 64 * 128 + 4 * 64 * 128   # dS^T's second buffer, dQ's fp32 tile
+    results = list(compile_many([rendered.source, render(BACKWARD_TEMPLATE, TMA, Variant(128, True, "bf16")).source], "sm_90a"))
+    assert all(r.ok and r.spill_bytes == 0 and not r.wgmma_serialized for r in results), [r.error for r in results]
+    tool = nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    ops = [opcodes(disassemble(r.cubin_path, tool).split(".text.attn_bwd_dkdv:", 1)[1].split(".section", 1)[0])
+           for r in results]
+    assert any(op.startswith("UBLKRED") for op in ops[0]), ops[0]
+    assert not any(op.startswith("UBLKRED") for op in ops[1]) and any(op.startswith("RED") for op in ops[1]), ops[1]
+
+
 def test_the_space_holds_the_tma_variants_a_named_one_and_a_seed() -> None:
     space = load_space("h100-backward")
     valid = {c for c in space.valid_configs() if c["PATH"] == "wgmma"}
-    tma = {c for c in valid if c["LOAD"] == "tma"}
+    tma = {c for c in valid if c["LOAD"] == "tma" and c["DQ_MODE"] == "atomic"}
     # every producer configuration has its TMA twin
     assert tma and {c.replace(LOAD="cpasync") for c in tma} == {
         c for c in valid if c["PRODUCER"] == 1 and c["LOAD"] == "cpasync"}

@@ -125,7 +125,9 @@ def test_every_valid_wgmma_configuration_compiles_for_sm90a_without_spills() -> 
     spilled = [f"{c.label()} {v.label()}: {r.spill_bytes} bytes" for (c, v), r in zip(builds, results) if r.spill_bytes]
     assert not spilled, spilled
     assert not any(r.wgmma_serialized for r in results)
-    assert len(builds) == 4 * (9 + 5 + 3 + 1)
+    bulk = {(v.head_dim, c) for c, v in builds if c["DQ_MODE"] == "bulk"}
+    assert bulk == {(v.head_dim, c.replace(DQ_MODE="bulk")) for c, v in builds if c["LOAD"] == "tma" and c["DQ_MODE"] == "atomic"}
+    assert len(builds) == 4 * (9 + 5 + 3 + 1) + 4 * len(bulk)   # each TMA configuration's DQ_MODE bulk twin
 
 
 def test_an_export_takes_a_wgmma_backward_by_name_or_parameters() -> None:
@@ -150,10 +152,14 @@ def test_an_export_takes_a_wgmma_backward_by_name_or_parameters() -> None:
 
 
 def test_the_producer_takes_the_setmaxnreg_values_of_the_path_rules() -> None:
-    """Two consumer warpgroups beside a producer get ``REGISTERS``; one warpgroup or no producer, none."""
-    producer, consumer = paths.wgmma_backward.REGISTERS[2]
-    source = render(BACKWARD_TEMPLATE, wgmma_config(64, 128, producer=1), Variant(128, False, "bf16")).source
-    assert f"REG_PRODUCER = {producer};" in source and f"REG_CONSUMER = {consumer};" in source
+    """Two consumer warpgroups beside a producer get ``registers``; one warpgroup or no producer, none."""
+    for config, d in ((wgmma_config(64, 128, producer=1), 128), (wgmma_config(128, 128, producer=1, load="tma", dq_mode="bulk"), 64)):
+        producer, consumer = paths.wgmma_backward.registers(config)
+        assert producer + 2 * consumer <= 504 and producer >= 24
+        source = render(BACKWARD_TEMPLATE, config, Variant(d, False, "bf16")).source
+        assert f"REG_PRODUCER = {producer};" in source and f"REG_CONSUMER = {consumer};" in source
+    assert paths.wgmma_backward.registers(wgmma_config(128, 128, producer=1, load="tma", dq_mode="bulk")) == (32, 232)
+    assert paths.wgmma_backward.registers(wgmma_config(64, 128, producer=1, load="tma", dq_mode="bulk")) == (24, 240)
     for config in (wgmma_config(64, 128, stages=1), wgmma_config(64, 64, producer=1)):
         source = render(BACKWARD_TEMPLATE, config, Variant(64, False, "fp16")).source
         assert "REG_PRODUCER = 0;" in source and "REG_CONSUMER = 0;" in source

@@ -42,11 +42,12 @@ def backward_config(block_m: int, block_n: int, *, stages: int = 2, dq_mode: str
                   DQ_BLOCK_M=dq_block_m, DQ_BLOCK_N=dq_block_n)
 
 
-def wgmma_config(block_m: int, block_n: int, *, stages: int = 2, producer: int = 0, load: str | None = None) -> Config:
+def wgmma_config(block_m: int, block_n: int, *, stages: int = 2, producer: int = 0, load: str | None = None,
+                 dq_mode: str = "atomic") -> Config:
     """A wgmma backward configuration with every parameter spelled out (64 keys per warpgroup); LOAD
     only where ``load`` is given (left out, the template's cpasync)."""
     return Config(PATH="wgmma", BLOCK_M=block_m, BLOCK_N=block_n, CONSUMER_WGS=block_n // 64, STAGES=stages,
-                  DQ_MODE="atomic", PRODUCER=producer, **({"LOAD": load} if load is not None else {}))
+                  DQ_MODE=dq_mode, PRODUCER=producer, **({"LOAD": load} if load is not None else {}))
 
 
 def path_defaults(config: Config) -> dict[str, int | str]:
@@ -151,12 +152,15 @@ WGMMA_CONFIGS: dict[int, dict[str, Config]] = {
         "w128n128-pr": wgmma_config(128, 128, producer=1),
         "w64n128-tma": wgmma_config(64, 128, producer=1, load="tma"),
         "w128n128-tma": wgmma_config(128, 128, producer=1, load="tma"),
+        "w64n128-bulk": wgmma_config(64, 128, producer=1, load="tma", dq_mode="bulk"),
+        "w128n128-bulk": wgmma_config(128, 128, producer=1, load="tma", dq_mode="bulk"),
     },
     128: {
         "w64n64-st1": wgmma_config(64, 64, stages=1),
         "w64n128-st1": wgmma_config(64, 128, stages=1),
         "w64n128-pr": wgmma_config(64, 128, producer=1),
         "w64n128-tma": wgmma_config(64, 128, producer=1, load="tma"),
+        "w64n128-bulk": wgmma_config(64, 128, producer=1, load="tma", dq_mode="bulk"),
     },
 }
 """Named configurations of the wgmma path per head dim (sm_90a only): each compiles for sm_90a without

@@ -9,7 +9,11 @@ from shared memory (K-major); P^T and dS^T are computed in the accumulators' reg
 operand, from registers, of dV += P^T dO and dK += dS^T Q (dO and Q MN-major from shared memory).
 dQ += dS K needs dS, not dS^T, as its A operand: each warpgroup writes its dS^T to shared memory
 (rows: keys) and dQ reads it back through a transposed (MN-major) A descriptor, with K as an
-MN-major B; the fp32 partials go into the mma path's dQ workspace by vector reductions.
+MN-major B; the fp32 partials go into the mma path's dQ workspace by vector reductions (or, DQ_MODE bulk, by a
+producer warp's bulk reductions of a shared-memory tile). At BLOCK_M 64 (beside a second warpgroup at D128) the
+GEMMs run in FlashAttention-3's order: S^T and dP^T in two wgmma groups, P^T computed while dP^T's runs and dS^T
+while dV's does, then dQ's GEMMs and dK's, dQ's sums leaving while dK's runs; elsewhere (ptxas serialized or
+spilled that order) S^T and dP^T, then dV and dK, then dQ.
 
 Parameters:
 
@@ -18,10 +22,12 @@ Parameters:
   thread, live beside dK's and dV's, head_dim floats: BLOCK_M + head_dim <= 192, <= 128 where one
   warpgroup prefetches the next tile alone),
 - ``STAGES``: 1 or 2 (the next Q/dO tile loads by cp.async while dV and dK of this one run),
-- ``DQ_MODE``: ``atomic`` only (fp32 reductions into the workspace, then the conversion kernel),
+- ``DQ_MODE``: ``atomic`` (each consumer thread's fp32 vector reductions into the workspace) or ``bulk`` (needs
+  LOAD tma: the consumers write dQ's tile to shared memory, a producer warp adds it into the workspace by bulk
+  reductions, and dS^T has two buffers); the conversion kernel follows either,
 - ``PRODUCER``: 0, every consumer thread loads the next tile by cp.async, or 1, a producer
   warpgroup does, into a ring of STAGES stages with full and empty mbarriers, the consumers only
-  wait (beside two consumer warpgroups, setmaxnreg moves registers to them: ``REGISTERS``),
+  wait (beside two consumer warpgroups, setmaxnreg moves registers to them: ``registers``),
 - ``LOAD``: ``cpasync`` (the producer's 128 threads copy) or ``tma`` (needs PRODUCER 1): one producer thread
   loads K and V once and each stage's Q and dO by cp.async.bulk.tensor (4-D tensor maps), one expect_tx a
   stage, while the producer's threads copy LSE and D by cp.async (4 bytes a row: a head's rows start
@@ -44,7 +50,7 @@ LOADS = ("cpasync", "tma")
 TENSOR_MAPS = ("q", "k", "v", "do")
 """The tensors the dK/dV kernel maps with LOAD tma, in the order of its tensor-map arguments."""
 HEAD_DIMS = (64, 128)
-DQ_MODES = ("atomic",)
+DQ_MODES = ("atomic", "bulk")
 ARCH = "sm_90a"
 MAX_ACCUMULATORS = 192
 """Registers of a consumer thread's budget (``accumulators``) past which the kernel spills (255 a thread)."""
@@ -53,9 +59,19 @@ LONE_PREFETCH = 64
 loads' addresses a thread (ptxas spilled 24 to 136 bytes at D64 BLOCK_M 128 and D128 BLOCK_M 64)."""
 
 
-REGISTERS = {2: (24, 240)}
-"""setmaxnreg of the producer and of each consumer warpgroup, by consumer warpgroups, with a producer
-(384 threads start at 168 registers each; 24 + 2 x 240 fits their 504; the template sets the same)."""
+REGISTERS = (24, 240)
+"""setmaxnreg of the producer and of each consumer warpgroup beside two consumer warpgroups (384 threads start at
+168 registers each; P + 2 C fits their 504; the template sets the same)."""
+REGISTERS_BULK_128 = (32, 232)
+"""The same with DQ_MODE bulk and BLOCK_M 128: the producer's dQ reductions and LSE/D copies spilled 8 to 24 bytes at
+24 registers (NVRTC 13.5)."""
+
+
+def registers(c: Scope) -> tuple[int, int]:
+    """(producer, consumer) setmaxnreg values, (0, 0) for none (one consumer warpgroup or no producer)."""
+    if not int(c.get("PRODUCER", 0)) or int(c["CONSUMER_WGS"]) != 2:
+        return 0, 0
+    return REGISTERS_BULK_128 if c.get("DQ_MODE", "atomic") == "bulk" and int(c["BLOCK_M"]) == 128 else REGISTERS
 
 
 def threads(c: Scope) -> int:
@@ -80,12 +96,24 @@ def spill_free_at_the_limit(c: Scope) -> bool:
     return stages == 1 and not producer and int(c["BLOCK_M"]) == 64
 
 
+def dq_tiles(c: Scope, head_dim: int) -> int:
+    """dQ's fp32 tiles in shared memory (DQ_MODE bulk): one, or one a warpgroup where the warpgroups split the
+    keys of dQ's one 64 x 64 block (BLOCK_M 64, head dim 64, two warpgroups); 0 for atomic."""
+    if c.get("DQ_MODE", "atomic") != "bulk":
+        return 0
+    wgs = int(c["CONSUMER_WGS"])
+    return 1 if (int(c["BLOCK_M"]) // 64) * (head_dim // 64) % wgs == 0 else wgs
+
+
 def kernel_smem(c: Scope, head_dim: int) -> dict[str, int]:
     """Dynamic shared memory of each kernel of the backward (bytes), as the template declares it:
-    1 KB to align the swizzled tiles, K and V, STAGES x (Q, dO, LSE and D rows), dS^T, and with a
-    producer two mbarriers a stage (with LOAD tma, 16 bytes more: K's and V's mbarrier)."""
+    1 KB to align the swizzled tiles, K and V, STAGES x (Q, dO, LSE and D rows), dS^T (two with DQ_MODE
+    bulk, and dQ's tiles), and with a producer two mbarriers a stage (with LOAD tma, 16 bytes more: K's and
+    V's mbarrier)."""
     bm, bn, stages, d = int(c["BLOCK_M"]), int(c["BLOCK_N"]), int(c["STAGES"]), head_dim
-    dkdv = 1024 + 4 * bn * d + stages * (4 * bm * d + 8 * bm) + 2 * bm * bn + 16 * stages * int(c.get("PRODUCER", 0))
+    bulk = c.get("DQ_MODE", "atomic") == "bulk"
+    dkdv = 1024 + 4 * bn * d + stages * (4 * bm * d + 8 * bm) + 2 * bm * bn * (2 if bulk else 1)
+    dkdv += 4 * dq_tiles(c, d) * bm * d + 16 * stages * int(c.get("PRODUCER", 0))
     dkdv += 16 if c.get("LOAD", "cpasync") == "tma" else 0
     return {"attn_bwd_pre": 0, "attn_bwd_dkdv": dkdv, "attn_bwd_dq_convert": 0}
 
@@ -106,6 +134,8 @@ RULES = (
     rule(NAME, "load", "LOAD is cpasync, or tma with a producer warpgroup (PRODUCER 1)", "LOAD PRODUCER",
          lambda c: c.get("LOAD", "cpasync") in LOADS and (c.get("LOAD", "cpasync") == "cpasync" or c.get("PRODUCER", 0) == 1)),
     rule(NAME, "dq-mode", f"DQ_MODE is one of {', '.join(DQ_MODES)}", "DQ_MODE", lambda c: c["DQ_MODE"] in DQ_MODES),
+    rule(NAME, "dq-bulk", "DQ_MODE bulk needs LOAD tma (a producer warp reduces dQ's tile)", "DQ_MODE LOAD",
+         lambda c: c["DQ_MODE"] != "bulk" or c.get("LOAD", "cpasync") == "tma"),
     rule(NAME, "registers", f"S^T, dP^T, dK and dV accumulators (BLOCK_M + head dim floats, {LONE_PREFETCH} more where "
          f"one warpgroup prefetches the next tile alone) within {MAX_ACCUMULATORS}", "BLOCK_M CONSUMER_WGS STAGES PRODUCER",
          lambda c: accumulators(c, c["MAX_HEAD_DIM"]) <= MAX_ACCUMULATORS),
@@ -113,7 +143,7 @@ RULES = (
          "for 1, or one warpgroup of 64 rows, 1 stage, no producer (else ptxas spills in the causal variants)",
          "BLOCK_M CONSUMER_WGS STAGES PRODUCER",
          lambda c: accumulators(c, c["MAX_HEAD_DIM"]) != MAX_ACCUMULATORS or spill_free_at_the_limit(c)),
-    rule(NAME, "smem", "every kernel's tiles fit the shared memory per block", "BLOCK_M BLOCK_N STAGES PRODUCER LOAD",
+    rule(NAME, "smem", "every kernel's tiles fit the shared memory per block", "BLOCK_M BLOCK_N STAGES PRODUCER LOAD DQ_MODE",
          lambda c: smem_bytes(c, c["MAX_HEAD_DIM"]) <= c["SMEM_LIMIT"]),
 )
 
