@@ -61,7 +61,7 @@ def test_the_export_carries_an_lse_forward_a_backward_and_a_deterministic_backwa
     assert module.dispatch_backward("fp16", 128, True, 2, 8, 77, 77) == default_config(128, hopper=True).key()
     assert module.dispatch_backward(torch.float16, 64, False, 2, 8, 77, 77, deterministic=True) == \
         default_config(64, deterministic_dq=True).key()
-    assert module.BACKWARD_CONFIGS[default_config(64, hopper=True).key()]["short"] == "bwd wgmma 128x128 st2 atomic"
+    assert module.BACKWARD_CONFIGS[default_config(64, hopper=True).key()]["short"] == "bwd wgmma 128x128 st2 tma bulk"
 
 
 def test_an_export_for_another_arch_than_sm_90a_defaults_to_the_mma_backward(tmp_path: Path) -> None:

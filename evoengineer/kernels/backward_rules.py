@@ -164,20 +164,20 @@ WGMMA_CONFIGS: dict[int, dict[str, Config]] = {
     },
 }
 """Named configurations of the wgmma path per head dim (sm_90a only): each compiles for sm_90a without
-spills in both dtypes, full and causal (CPU tests). ``default_config(hopper=True)`` takes D64 w128n128-pr and
-D128 w64n128-pr, the fastest on an H200 (docs/performance.md, Training)."""
+spills in both dtypes, full and causal (CPU tests). ``default_config(hopper=True)`` takes D64 w128n128-bulk and
+D128 w64n128-bulk, the fastest on an H100 (docs/performance.md, Training)."""
 
 
 def default_config(head_dim: int, *, deterministic_dq: bool = False, hopper: bool = False) -> Config:
     """The backward configuration used when none is given: with ``hopper`` (an export for sm_90a)
-    the wgmma path's (its dQ by atomics: a deterministic call takes the mma path's), else the
+    the wgmma path's (its dQ by bulk reductions: a deterministic call takes the mma path's), else the
     mma path's."""
     if head_dim not in BACKWARD_CONFIGS:
         raise ValueError(f"head_dim {head_dim}: the backward supports {', '.join(map(str, HEAD_DIMS))}")
     if deterministic_dq:
         return BACKWARD_CONFIGS[head_dim][{64: "m64n64-sep", 128: "t64n128-sep"}[head_dim]]
     if hopper:
-        return WGMMA_CONFIGS[head_dim][{64: "w128n128-pr", 128: "w64n128-pr"}[head_dim]]
+        return WGMMA_CONFIGS[head_dim][{64: "w128n128-bulk", 128: "w64n128-bulk"}[head_dim]]
     return BACKWARD_CONFIGS[head_dim][{64: "t128n128", 128: "t64n128"}[head_dim]]
 
 
