@@ -5,7 +5,8 @@ workspaces (``test_backward_gpu._check``): every named wgmma configuration on sh
 space's wgmma seeds on S = 1, 5, 77, 257, 1000, seq_q != seq_k both ways and grouped-query heads, fp16 and
 bf16, head dims 64 and 128, full and causal; repeated runs (atomic dQ; dK and dV bit-identical), strided
 inputs, and the search's gate job on a wgmma configuration compiled for sm_90a. The TMA variant (LOAD tma: K,
-V, Q, dO by tensor maps, LSE and D by cp.async) runs every one of these beside its cp.async twin.
+V, Q, dO by tensor maps, LSE and D by cp.async) runs every one of these beside its cp.async twin; DQ_MODE bulk (dQ by a
+producer warp's bulk reductions) runs as the named configurations and as the Hopper default of the LSE-forward test.
 """
 from __future__ import annotations
 
