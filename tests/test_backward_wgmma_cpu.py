@@ -165,6 +165,20 @@ def test_the_producer_takes_the_setmaxnreg_values_of_the_path_rules() -> None:
         assert "REG_PRODUCER = 0;" in source and "REG_CONSUMER = 0;" in source
 
 
+def test_the_gemm_order_is_the_path_rules() -> None:
+    """The dK/dV kernel takes FlashAttention-3's GEMM order exactly where ``overlap_gemms`` says (64 rows, a second
+    warpgroup at D128), for every valid configuration of each head dim."""
+    seen = set()
+    for head_dim in (64, 128):
+        space = SPACE.with_shapes([(4, 16, 2048, head_dim, 2048)])
+        for config in (c for c in space.valid_configs() if c["PATH"] == "wgmma"):
+            want = paths.wgmma_backward.overlap_gemms(config, head_dim)
+            source = render(BACKWARD_TEMPLATE, config, Variant(head_dim, True, "bf16")).source
+            assert f"constexpr bool OVERLAP = {str(want).lower()};" in source, (config.label(), head_dim)
+            seen.add(want)
+    assert seen == {True, False}
+
+
 def test_the_default_search_opens_every_partition_with_its_wgmma_seeds() -> None:
     """The default backward search (its budget split over the head-dim partitions) evaluates the
     seeds first, in order: each partition's budget reaches every wgmma seed valid there, the

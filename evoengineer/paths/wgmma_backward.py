@@ -74,6 +74,13 @@ def registers(c: Scope) -> tuple[int, int]:
     return REGISTERS_BULK_128 if c.get("DQ_MODE", "atomic") == "bulk" and int(c["BLOCK_M"]) == 128 else REGISTERS
 
 
+def overlap_gemms(c: Scope, head_dim: int) -> bool:
+    """FlashAttention-3's GEMM order in the dK/dV kernel (the template sets the same): at BLOCK_M 64, beside a
+    second consumer warpgroup at D128. At 128 rows ptxas serialized the wgmma groups and spilled; one warpgroup of
+    64 rows at D128 spilled 160 to 216 bytes (NVRTC 13.5)."""
+    return int(c["BLOCK_M"]) == 64 and (int(c["CONSUMER_WGS"]) == 2 or head_dim == 64)
+
+
 def threads(c: Scope) -> int:
     """128 per consumer warpgroup, and 128 for the producer."""
     return 128 * (int(c["CONSUMER_WGS"]) + int(c.get("PRODUCER", 0)))
