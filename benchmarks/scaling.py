@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,6 +78,36 @@ def _finish(procs: list[subprocess.Popen], runs: list[Path], started: float, mod
             "phases_ms_per_evaluation": {k: round(1000 * v / evaluated, 1) for k, v in phases.items()} if evaluated else {}}
 
 
+class Clocks:
+    """The GPUs' SM clock, temperature and power while a row runs (``nvidia-smi`` every 0.5 s):
+    a row slower per evaluation on more GPUs may be a host's power or cooling, not the search."""
+
+    def __init__(self, gpus: int) -> None:
+        self.gpus, self.proc = gpus, None
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,clocks.sm,temperature.gpu,power.draw",
+                                          "--format=csv,noheader,nounits", "-lms", "500"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def stop(self) -> dict:
+        if self.proc is None:
+            return {}
+        self.proc.terminate()
+        out, _ = self.proc.communicate()
+        rows = []
+        for line in out.splitlines():
+            try:
+                index, mhz, temp, watts = (float(x) for x in line.split(","))
+            except ValueError:
+                continue
+            if index < self.gpus and watts > 150:  # the GPUs of the row, while they work
+                rows.append((mhz, temp, watts))
+        if not rows:
+            return {}
+        return {"sm_mhz": round(sum(r[0] for r in rows) / len(rows)), "max_temp_c": max(r[1] for r in rows),
+                "watts": round(sum(r[2] for r in rows) / len(rows))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--space", default="h100")
@@ -107,8 +138,9 @@ def main() -> None:
         devices = ",".join(str(i) for i in range(n))
         run = root / f"devices-{n}"
         started = time.perf_counter()
+        clocks = Clocks(0 if args.replay else n)
         proc = _search(args, run, ["--devices", devices, "--quiet"], root / f"cache-devices-{n}")
-        rows.append(_finish([proc], [run], started, "--devices", n))
+        rows.append({**_finish([proc], [run], started, "--devices", n), **clocks.stop()})
         per = args.devices_per_process
         if args.processes and n > per and n % per == 0:
             storage = args.storage or f"sqlite:///{root / f'shared-{n}.db'}"
@@ -116,10 +148,11 @@ def main() -> None:
             runs = [root / f"process-{n}-{i}" for i in range(len(groups))]
             study = f"scaling-{n}-{os.getpid()}-{int(time.time())}"
             started = time.perf_counter()
+            clocks = Clocks(0 if args.replay else n)
             jobs = ["--jobs", str(max(1, ((os.cpu_count() or 2) - 1) // len(groups)))] if not args.replay else []
             procs = [_search(args, r, ["--devices", group, "--storage", storage, "--study", study, "--quiet", *jobs],
                              root / f"cache-process-{n}") for r, group in zip(runs, groups)]
-            rows.append(_finish(procs, runs, started, f"{len(groups)}x{per}", n))
+            rows.append({**_finish(procs, runs, started, f"{len(groups)}x{per}", n), **clocks.stop()})
     base = next((r["evaluations_per_minute"] for r in rows if r["gpus"] == 1), None)
     for r in rows:
         r["speedup"] = round(r["evaluations_per_minute"] / base, 2) if base and r["evaluations_per_minute"] else None
@@ -139,6 +172,11 @@ def main() -> None:
     for r in rows:
         phases = " ".join(f"{name} {ms:g}" for name, ms in r["phases_ms_per_evaluation"].items() if ms >= 0.5)
         print(f"  {r['mode']} x{r['gpus']}: {phases}")
+    if any("sm_mhz" in r for r in rows):
+        print("the GPUs while working (mean SM clock, power; hottest):")
+        for r in rows:
+            if "sm_mhz" in r:
+                print(f"  {r['mode']} x{r['gpus']}: {r['sm_mhz']} MHz, {r['watts']} W; {r['max_temp_c']:g} C")
 
 
 if __name__ == "__main__":

@@ -415,13 +415,14 @@ def test_evo_operators_stay_in_the_space(seed: int) -> None:
     _, space, _ = _load(RECORDINGS[0])
     sampler = make_sampler("evo", space, seed=seed)
     config = space.search.seeds[0] if space.search.seeds else next(space.valid_configs())
+    before = dict(zip(sampler._names, sampler._values(config)))
     for _ in range(200):
-        child = sampler._mutate(config)
-        assert child != config
-        changed = [p for p in space.params if child[p.name] != config[p.name]]
+        child = dict(zip(sampler._names, sampler._mutate(sampler._values(config))))
+        assert child != before
+        changed = [p for p in space.params if child[p.name] != before[p.name]]
         for p in changed:
             if p.ordinal:
-                assert abs(p.values.index(child[p.name]) - p.values.index(config[p.name])) == 1
+                assert abs(p.values.index(child[p.name]) - p.values.index(before[p.name])) == 1
             assert child[p.name] in p.values
 
 

@@ -128,6 +128,42 @@ def test_worker_must_restart(worker: Worker) -> None:
     assert worker.restarts == 1
 
 
+def test_a_batch_is_answered_in_order_by_one_child(worker: Worker) -> None:
+    out = worker.run_many([{"do": "ok", "value": i} for i in range(3)], timeout_s=10)
+    assert [o.value["value"] for o in out] == [0, 1, 2]
+    assert len({o.pid for o in out}) == 1 and worker.run({"do": "ok"}, 10).pid == out[0].pid
+
+
+def test_a_batch_ends_at_the_first_answer_whose_status_is_not_ok(worker: Worker) -> None:
+    out = worker.run_many([{"do": "ok"}, {"do": "status", "status": "incorrect"}, {"do": "ok", "value": 9}], 10)
+    assert [o.value.get("status") for o in out] == [None, "incorrect"]  # the third never ran
+    nxt = worker.run({"do": "ok", "value": 1}, 10)  # the child answers the next job, not the third
+    assert nxt.value["value"] == 1 and nxt.pid == out[0].pid and worker.restarts == 0
+
+
+def test_each_job_of_a_batch_has_its_own_timeout(worker: Worker) -> None:
+    assert worker.run({"do": "ok"}, 10).ok  # started and warm
+    out = worker.run_many([{"do": "sleep", "s": 0.6}] * 3, timeout_s=1.0)  # 1.8 s in all
+    assert [o.status for o in out] == ["ok"] * 3
+    out = worker.run_many([{"do": "sleep", "s": 0.1}, {"do": "hang"}, {"do": "ok"}], timeout_s=1.0)
+    assert [o.status for o in out] == ["ok", "timeout"] and 1.0 <= out[1].elapsed_s < 1.5
+    assert _gone(out[1].pid) and worker.run({"do": "ok"}, 10).ok
+
+
+def test_a_crash_in_a_batch_keeps_the_answers_before_it(worker: Worker) -> None:
+    out = worker.run_many([{"do": "ok", "value": 1}, {"do": "segfault"}, {"do": "ok"}], timeout_s=10)
+    assert [o.status for o in out] == ["ok", "crashed"] and "SIGSEGV" in out[1].message
+    assert out[0].value["value"] == 1
+    nxt = worker.run({"do": "ok"}, 10)
+    assert nxt.ok and nxt.pid != out[0].pid
+
+
+def test_a_batch_ends_where_a_job_asks_for_a_fresh_child(worker: Worker) -> None:
+    out = worker.run_many([{"do": "must_restart"}, {"do": "ok"}], timeout_s=10)
+    assert len(out) == 1 and worker.restarts == 1 and _gone(out[0].value["pid"])
+    assert worker.run({"do": "ok"}, 10).ok and worker.restarts == 1
+
+
 def test_device_sets_cuda_visible_devices_before_start() -> None:
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     with Worker(H, device=3, env={"EVO_TEST_EXTRA": "x"}) as w:
@@ -250,3 +286,29 @@ def test_evaluators_of_one_search_race_against_each_others_best(space_yaml: Path
     assert race > 0 and raced.ok and solo.ok
     assert [c["time"]["give_up_above_us"] for c in raced.cases if "time" in c] == [pytest.approx(100.0 * race)] * len(space.cases)
     assert [c["time"]["give_up_above_us"] for c in solo.cases if "time" in c] == [None] * len(space.cases)
+
+
+def test_an_evaluation_is_one_round_trip_and_stops_at_a_failed_gate(space_yaml: Path) -> None:
+    """Every variant's gate and every case's timing go to the worker at once; a gate that fails
+    ends them there (no case is timed)."""
+    from evoengineer.gpu import Evaluator
+    from evoengineer.space import load_space
+
+    space = load_space(space_yaml)
+    config = space.sample(1)[0]
+    ev = Evaluator(space, arch="sm_90", worker=Worker("worker_handlers:fake_gpu"))
+    failing = Evaluator(space, arch="sm_90", worker=Worker("worker_handlers:fake_gpu", env={"EVO_TEST_FAIL_GATE": "1"}))
+    try:
+        ev.info()  # the worker started
+        batches: list[int] = []
+        run_many = ev.worker.run_many
+        ev.worker.run_many = lambda jobs, timeout_s: (batches.append(len(jobs)), run_many(jobs, timeout_s))[1]  # type: ignore[method-assign]
+        assert ev.evaluate(config).ok
+        assert batches == [len(space.variants) + len(space.cases)]
+        assert ev._run({"kind": "jobs_run"}, 10) == {"status": "ok", "gate": len(space.variants), "time": len(space.cases)}
+        result = failing.evaluate(config)
+        assert result.status == "incorrect"
+        assert failing._run({"kind": "jobs_run"}, 10) == {"status": "ok", "gate": 1}
+    finally:
+        ev.close()
+        failing.close()

@@ -50,6 +50,8 @@ def dispatch(job: dict[str, Any]) -> Any:
     if what == "sleep":
         time.sleep(job["s"])
         return {"pid": os.getpid()}
+    if what == "status":
+        return {"pid": os.getpid(), "status": job["status"]}
     if what == "must_restart":
         return {"pid": os.getpid(), "worker_must_restart": True}
     if what == "unpicklable":
@@ -84,7 +86,13 @@ def fake_gpu(job: dict[str, Any]) -> dict[str, Any]:
     passes the gate and times 100 us; a timing job echoes the racing limit it was given."""
     if job["kind"] == "info":
         return {"status": "ok", "gpu": "fake", "arch": "sm_90"}
+    if job["kind"] == "jobs_run":
+        return {"status": "ok", **_STATE.get("kinds", {})}
+    kinds = _STATE.setdefault("kinds", {})
+    kinds[job["kind"]] = kinds.get(job["kind"], 0) + 1
     if job["kind"] == "gate":
-        return {"status": "ok", "cases": [{"label": case.label(), "status": "ok", "reason": ""} for case, _ in job["cases"]]}
+        fail = job["key"] in _STATE.get("failing", ()) or os.environ.get("EVO_TEST_FAIL_GATE") == "1"
+        return {"status": "incorrect" if fail else "ok",
+                "cases": [{"label": case.label(), "status": "ok", "reason": ""} for case, _ in job["cases"]]}
     limit = job["timing"].get("give_up_above_us")
     return {"status": "ok", "time": {"median_us": 100.0, "give_up_above_us": limit}, "tflops": 1.0}

@@ -227,7 +227,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         arch = space.target.arch
     else:
         require_gpu()
-        pool = compile_pool(args.jobs)  # its processes start and warm up beside the GPU workers and SDPA's timing
+        pool = compile_pool(args.jobs, devices)  # its processes start and warm up beside the GPU workers and SDPA's timing
         try:
             evaluators, info, arch, space = _start_gpus(space, devices, seed, console)
         except BaseException:
@@ -608,8 +608,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"seconds between the heartbeats of running trials in the study (default {DEFAULT_HEARTBEAT_S}); "
                         f"a trial silent for {GRACE_BEATS} heartbeats belongs to a dead search and is re-queued")
     p.add_argument("--jobs", type=whole(1), default=None,
-                   help="parallel compile processes (default: one per core but one); searches sharing a host "
-                        "share its cores: give each its part")
+                   help="parallel compile processes (default: one per CPU, less the cores kept for the GPU workers and "
+                        "the search on a host with cores to spare); searches sharing a host share its cores: "
+                        "give each its part")
     p.add_argument("--retime-rounds", type=whole(0), default=3,
                    help="interleaved re-timing rounds for the finalists (default 3; 0: rank on the search's timings)")
     p.add_argument("--replay", metavar="RECORDING",

@@ -18,6 +18,8 @@ from ..space import Case, Config, Space, Variant
 from .harness import CaseResult, _KernelFault, _sync, _time_ops, case_seed, check_output
 
 STATUSES = ("ok", "invalid", "compile_failed", "launch_failed", "incorrect", "crashed", "timeout")
+SUB_PHASES = {"samples": "timing"}
+"""Phases measured inside another (part: whole): ``samples``, the device time of the timing's samples."""
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 BACKWARD_SDPA_BACKENDS = ("flash", "cudnn", "efficient")
 """SDPA's backends whose backward a backward space is compared with (math's fp32-sized score
@@ -155,6 +157,8 @@ def handle(job: dict) -> dict:
     if loaded == started:  # the load itself failed
         loaded = time.perf_counter()
     answer["phases"] = {"load": loaded - started, phase: time.perf_counter() - loaded}
+    if "sampled_s" in answer:  # a part of the timing phase: its samples' device time
+        answer["phases"]["samples"] = answer.pop("sampled_s")
     return answer
 
 
@@ -350,7 +354,7 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
             reason = f"output of input set {unwritten} not finite or never written"
         if reason:
             return {"status": "incorrect", "reason": f"timed launch did not produce the output on the launch stream: {reason}"}
-    return {"status": "ok", "time": result.to_json()}
+    return {"status": "ok", "time": result.to_json(), "sampled_s": result.sampled_s}
 
 
 def _time_job(launcher: Any, job: dict) -> dict:
@@ -361,7 +365,8 @@ def _time_job(launcher: Any, job: dict) -> dict:
     if answer["status"] != "ok":
         return {"status": answer["status"], "reason": f"{case.label()}: {answer['reason']}"}
     timed = answer["time"]
-    return {"status": "ok", "time": timed, "tflops": case.flops() / (timed["median_us"] * 1e-6) / 1e12}
+    return {"status": "ok", "time": timed, "tflops": case.flops() / (timed["median_us"] * 1e-6) / 1e12,
+            "sampled_s": answer["sampled_s"]}
 
 
 def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | None,
@@ -519,20 +524,29 @@ class Evaluator:
 
     # -- jobs ------------------------------------------------------------------------
     def _run(self, job: dict, timeout_s: float) -> dict:
-        """Run one job; a dead or hung worker becomes a status. The worker's phase times
-        add up in ``self.phases``; the rest of the round trip counts as ``ipc``."""
+        """Run one job; a dead or hung worker becomes a status (``_run_all`` of one job)."""
+        return self._run_all([job], timeout_s)[0]
+
+    def _run_all(self, jobs: list[dict], timeout_s: float) -> list[dict]:
+        """``jobs`` in one round trip to the worker (``Worker.run_many``: each job given
+        ``timeout_s``, the batch ending at the first answer that is not ok): one answer per job
+        run, a dead or hung worker as a status. The worker's phase times add up in
+        ``self.phases``; the rest of the round trip counts as ``ipc``."""
         self._ensure_warm()
         started = time.perf_counter()
-        outcome = self.worker.run(job, timeout_s)
+        outcomes = self.worker.run_many(jobs, timeout_s)
         spent = time.perf_counter() - started
-        inside = outcome.value.get("phases", {}) if outcome.status == "ok" and isinstance(outcome.value, dict) else {}
-        for name, seconds in inside.items():
-            self.phases[name] = self.phases.get(name, 0.0) + seconds
-        self.phases["ipc"] = self.phases.get("ipc", 0.0) + max(0.0, spent - sum(inside.values()))
-        if outcome.status == "ok":
-            return outcome.value
-        return {"status": outcome.status, "reason": outcome.message.strip().splitlines()[-1][:300] if outcome.message else outcome.status,
-                "detail": outcome.message}
+        answers, spent_inside = [], 0.0
+        for outcome in outcomes:
+            inside = outcome.value.get("phases", {}) if outcome.status == "ok" and isinstance(outcome.value, dict) else {}
+            for name, seconds in inside.items():
+                self.phases[name] = self.phases.get(name, 0.0) + seconds
+            spent_inside += sum(seconds for name, seconds in inside.items() if name not in SUB_PHASES)
+            answers.append(outcome.value if outcome.status == "ok" else {
+                "status": outcome.status, "detail": outcome.message,
+                "reason": outcome.message.strip().splitlines()[-1][:300] if outcome.message else outcome.status})
+        self.phases["ipc"] = self.phases.get("ipc", 0.0) + max(0.0, spent - spent_inside)
+        return answers
 
     def _ensure_warm(self) -> None:
         """A fresh worker imports torch and creates its context before any timed job."""
@@ -575,13 +589,23 @@ class Evaluator:
         cases: list[dict] = []
         common = {"key": config.key(), "seed": self.seed, "scale": space.scale}
         gate_kind, time_kind = ("bwd_gate", "bwd_time") if space.backward else ("gate", "time")
-        for variant in space.variants:
+        jobs = []
+        for variant in space.variants:  # each variant's gate, then each case's timing: one round trip
             build = report.build(variant)
-            job = {"kind": gate_kind, "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, **common,
-                   **_tolerance(space, variant.dtype),
-                   "cases": [(c, self.gate_trials if c in space.cases else 1)
-                             for c in (backward_gate_cases if space.backward else gate_cases)(space, variant)]}
-            answer = self._run(job, space.timing.timeout_s)
+            jobs.append({"kind": gate_kind, "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, **common,
+                         **_tolerance(space, variant.dtype),
+                         "cases": [(c, self.gate_trials if c in space.cases else 1)
+                                   for c in (backward_gate_cases if space.backward else gate_cases)(space, variant)]})
+        for case in space.cases:
+            build = report.build(case.variant)
+            best = self.best_case_us.get(case.label())
+            race = {"give_up_above_us": best * self.timing["race"]} if best and self.timing.get("race") else {}
+            jobs.append({"kind": time_kind, "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, "case": case,
+                         "timing": {**self.timing, **race}, **common, **_tolerance(space, case.dtype)})
+        answers = iter(self._run_all(jobs, space.timing.timeout_s))
+        stopped = {"status": "crashed", "reason": "the worker stopped answering before this job"}
+        for variant in space.variants:
+            answer = next(answers, stopped)
             cases += answer.get("cases", [])
             if answer["status"] != "ok":
                 reason = answer.get("reason") or next((c["reason"] for c in answer.get("cases", []) if c["reason"]), "")
@@ -589,12 +613,7 @@ class Evaluator:
                                   resources=resources, cases=cases)
         timed: list[dict] = []
         for case in space.cases:
-            build = report.build(case.variant)
-            best = self.best_case_us.get(case.label())
-            race = {"give_up_above_us": best * self.timing["race"]} if best and self.timing.get("race") else {}
-            job = {"kind": time_kind, "rendered": build.rendered, "cubin_path": build.compiled.cubin_path, "case": case,
-                   "timing": {**self.timing, **race}, **common, **_tolerance(space, case.dtype)}
-            answer = self._run(job, space.timing.timeout_s)
+            answer = next(answers, stopped)
             if answer["status"] != "ok":
                 return EvalResult(**base, status=answer["status"], reason=answer.get("reason", ""), resources=resources, cases=cases)
             gate = next((c for c in cases if c["label"] == case.label()), {})

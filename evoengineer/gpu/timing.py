@@ -38,6 +38,8 @@ class DeviceTime:
     launches_per_sample: int
     rel_stderr: float = 0.0
     raced: bool = False
+    sampled_s: float = 0.0
+    """Device time of the samples taken (repetitions times the launches of a sample)."""
 
 
     @property
@@ -188,6 +190,7 @@ def time_graph(
         launches_per_sample=launches,
         rel_stderr=median_rel_stderr(samples),
         raced=raced,
+        sampled_s=sum(samples) * launches / 1e6,
     )
 
 

@@ -31,6 +31,7 @@ from ..gpu import STATUSES, EvalResult
 from ..kernels import StaticReport, build_config_job
 from ..space import Config, Space, path_component
 from . import optuna_internals as internals
+from .cpus import compile_cpus, restrict_to
 from .ledger import Ledger
 from .partition import narrow_evaluator
 from .strategies import make_sampler, suggest_config
@@ -261,9 +262,10 @@ PHASES = ("strategy", "compile", "load", "gate", "timing", "ipc", "storage")
 """Where an evaluation's time goes: asking the strategy, waiting for its ahead-compiled
 build, loading the module in the worker, the gate, the timing, the worker round trips'
 remainder, and telling the study plus writing the record."""
-DEVICE_PHASES = ("compile", "load", "gate", "timing", "ipc", "idle")
-"""Phases spent on a device's lane (``idle``: the lane waited for a candidate); their share
-is of the devices' time (wall time times devices), the others' of the wall time."""
+DEVICE_PHASES = ("compile", "load", "gate", "timing", "ipc", "idle", "samples")
+"""Phases spent on a device's lane (``idle``: the lane waited for a candidate; ``samples``: a
+part of ``timing``, its samples' device time); their share is of the devices' time (wall
+time times devices), the others' of the wall time."""
 
 
 @dataclass
@@ -1030,13 +1032,18 @@ lane thread whose worker has answered waits at most this long for the search thr
 it hand over the next job."""
 
 
-def compile_pool(workers: int | None = None) -> ProcessPoolExecutor:
-    """The search's compile processes (``workers``: one per core but one), started now and warmed
-    (their imports done, NVRTC loaded) while the GPU workers start and SDPA is timed, so that no
-    partition's first candidates wait for a process to start. The caller shuts it down."""
-    workers = workers or max(1, (os.cpu_count() or 2) - 1)
+def compile_pool(workers: int | None = None, devices: Sequence[int] = ()) -> ProcessPoolExecutor:
+    """The search's compile processes, started now and warmed (their imports done, NVRTC loaded)
+    while the GPU workers start and SDPA is timed, so that no partition's first candidates wait
+    for a process to start. They run on ``cpus.compile_cpus(devices)`` (the host's CPUs but
+    cores kept for the GPU workers and the search), ``workers`` of them (default: one per
+    CPU there, or one per CPU but one where none is kept; ``EVOENGINEER_KEEP_CORES=0`` keeps
+    none). The caller shuts it down."""
+    allowed = os.sched_getaffinity(0)
+    cpus = allowed if os.environ.get("EVOENGINEER_KEEP_CORES") == "0" else compile_cpus(devices, allowed)
+    workers = workers or (len(cpus) if cpus != allowed else max(1, len(allowed) - 1))
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_compile_process_init)
+                               initializer=_compile_process_init, initargs=(cpus if cpus != allowed else None,))
     for _ in range(workers):
         pool.submit(_warm_compile_process)
     return pool
@@ -1058,12 +1065,13 @@ def _warm_compile_process() -> None:
     nvrtc_version()
 
 
-def _compile_process_init() -> None:
-    """Each compile process of the search's pool: below the search in CPU priority."""
+def _compile_process_init(cpus: set[int] | None = None) -> None:
+    """Each compile process of the search's pool: below the search in CPU priority, on ``cpus``."""
     try:
         os.nice(COMPILE_NICENESS)
     except OSError:  # not permitted: same priority, as before
         pass
+    restrict_to(cpus)
 
 
 def check_records(run: RunDir) -> str:

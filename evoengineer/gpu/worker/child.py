@@ -9,8 +9,9 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
-from .protocol import ChildSpec, format_exception, resolve_callable
+from .protocol import ChildSpec, ends_batch, format_exception, resolve_callable
 
 _WATCHDOG_PERIOD_S = 1.0
 
@@ -62,22 +63,31 @@ def child_main(conn: multiprocessing.connection.Connection, spec: ChildSpec) -> 
             continue
         if msg[0] == "stop":
             return
-        _, seq, job = msg
-        try:
-            os.ftruncate(2, 0)  # the stderr tail then belongs to this job
-        except OSError:
-            pass
-        try:
-            value = handler(job)
-        except BaseException as exc:  # noqa: BLE001 - reported, the parent replaces us
-            answer: tuple = ("error", seq, format_exception(exc))
-        else:
-            answer = ("ok", seq, value)
-        _flush_stdio()
-        try:
-            conn.send(answer)
-        except Exception as exc:  # noqa: BLE001 - pickling failed before anything was written
-            conn.send(("error", seq, f"answer could not be pickled: {format_exception(exc)}"))
+        kind, seq, job = msg
+        for i, one in enumerate(job if kind == "jobs" else [job]):
+            if _answer(conn, handler, seq + i, one) is None:
+                break
+
+
+def _answer(conn: multiprocessing.connection.Connection, handler: Any, seq: int, job: Any) -> str | None:
+    """Run one job and send its answer: its status, None where it ends a batch."""
+    try:
+        os.ftruncate(2, 0)  # the stderr tail then belongs to this job
+    except OSError:
+        pass
+    try:
+        value = handler(job)
+    except BaseException as exc:  # noqa: BLE001 - reported, the parent replaces us
+        answer: tuple = ("error", seq, format_exception(exc))
+    else:
+        answer = ("ok", seq, value)
+    _flush_stdio()
+    try:
+        conn.send(answer)
+    except Exception as exc:  # noqa: BLE001 - pickling failed before anything was written
+        answer = ("error", seq, f"answer could not be pickled: {format_exception(exc)}")
+        conn.send(answer)
+    return None if ends_batch(answer[0], answer[2]) else answer[0]
 
 
 def _flush_stdio() -> None:

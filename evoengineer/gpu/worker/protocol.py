@@ -1,16 +1,18 @@
 """The wire between a worker's parent and its child: what is sent at spawn, the
 messages each way, and what a job's fate is reported as.
 
-Parent to child: the ``ChildSpec`` at spawn, then ``("job", seq, job)`` or ``("stop",)``.
-Child to parent: ``("ready", None, pid)`` or ``("init_error", None, text)`` once, then
-``("ok", seq, value)`` or ``("error", seq, text)`` per job.
+Parent to child: the ``ChildSpec`` at spawn, then ``("job", seq, job)``, ``("jobs", seq,
+[job, ...])`` or ``("stop",)``. Child to parent: ``("ready", None, pid)`` or ``("init_error",
+None, text)`` once, then ``("ok", seq, value)`` or ``("error", seq, text)`` per job; the jobs
+of a batch are answered in order, seq, seq + 1, ..., up to the first answer that ends it
+(``ends_batch``).
 """
 from __future__ import annotations
 
 import importlib
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 TRACEBACK_TAIL_LINES = 15
 
@@ -64,3 +66,24 @@ def format_exception(exc: BaseException) -> str:
     lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
     tail = "\n".join(lines[-TRACEBACK_TAIL_LINES:])
     return f"{head}\n{tail}"
+
+
+def must_restart(value: Any) -> bool:
+    """Whether a handler's value asks for a fresh child (``worker_must_restart``)."""
+    try:
+        if isinstance(value, Mapping):
+            return bool(value.get("worker_must_restart", False))
+        return bool(getattr(value, "worker_must_restart", False))
+    except Exception:  # noqa: BLE001 - a strange value never breaks the supervisor
+        return False
+
+
+def ends_batch(status: str, value: Any) -> bool:
+    """Whether an answer ends a batch of jobs: an error, a value asking for a fresh child, or
+    a mapping whose ``status`` is not ``"ok"`` (the jobs after it depend on it)."""
+    if status != "ok" or must_restart(value):
+        return True
+    try:
+        return isinstance(value, Mapping) and value.get("status", "ok") != "ok"
+    except Exception:  # noqa: BLE001 - a strange value ends nothing
+        return False

@@ -11,12 +11,11 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .child import child_main
-from .protocol import ChildSpec, WorkerOutcome, format_exception
+from .protocol import ChildSpec, WorkerOutcome, ends_batch, format_exception, must_restart
 
 STDERR_TAIL_LINES = 20
 _STDERR_TAIL_BYTES = 64 * 1024
@@ -58,16 +57,6 @@ def _with_tail(message: str, tail: str) -> str:
     if not tail:
         return message
     return f"{message}\n--- child stderr (last lines) ---\n{tail}"
-
-
-def _must_restart(value: Any) -> bool:
-    """Whether a handler's value asks for a fresh child (``worker_must_restart``)."""
-    try:
-        if isinstance(value, Mapping):
-            return bool(value.get("worker_must_restart", False))
-        return bool(getattr(value, "worker_must_restart", False))
-    except Exception:  # noqa: BLE001 - a strange value never breaks the supervisor
-        return False
 
 
 @dataclass
@@ -151,6 +140,22 @@ class Worker:
                 raise RuntimeError("worker is closed")
             try:
                 return self._run(job, timeout_s)
+            finally:
+                if self._closed:
+                    self._discard_child(graceful=False)
+
+    def run_many(self, jobs: list[Any], timeout_s: float) -> list[WorkerOutcome]:
+        """Run ``jobs`` in the child in one round trip, in order, each given up to ``timeout_s``
+        from the answer before it. The batch ends at the first answer that ``ends_batch`` (an
+        error, a status other than ok) or a death or timeout: one outcome per job answered, the
+        last one saying what ended it early."""
+        if not jobs:
+            return []
+        with self._run_lock:
+            if self._closed:
+                raise RuntimeError("worker is closed")
+            try:
+                return self._run_jobs(list(jobs), timeout_s)
             finally:
                 if self._closed:
                     self._discard_child(graceful=False)
@@ -281,26 +286,41 @@ class Worker:
         return WorkerOutcome("crashed", message=message, elapsed_s=elapsed, pid=pid)
 
     def _run(self, job: Any, timeout_s: float) -> WorkerOutcome:
+        return self._run_jobs([job], timeout_s, batch=False)[0]
+
+    def _run_jobs(self, jobs: list[Any], timeout_s: float, batch: bool = True) -> list[WorkerOutcome]:
         self._reap_dying(timeout=0)
         failed = self._ensure_ready()
         if failed is not None:
-            return failed
+            return [failed]
         child = self._child
         assert child is not None
         pid = child.process.pid
-        self._seq += 1
-        seq = self._seq
+        first = self._seq + 1
+        self._seq += len(jobs)
         t0 = time.monotonic()
         try:
-            child.conn.send(("job", seq, job))
+            child.conn.send(("jobs", first, jobs) if batch else ("job", first, jobs[0]))
         except (BrokenPipeError, EOFError, ConnectionResetError, OSError):
             message = self._death_message(child, prefix="worker died before the job was sent: ")
             self._replace(graceful=False)
-            return WorkerOutcome("crashed", message=message, elapsed_s=0.0, pid=pid)
+            return [WorkerOutcome("crashed", message=message, elapsed_s=0.0, pid=pid)]
         except Exception as exc:  # noqa: BLE001 - the job itself is unpicklable
             message = f"job could not be pickled: {format_exception(exc)}"
-            return WorkerOutcome("crashed", message=message, elapsed_s=0.0, pid=pid)
+            return [WorkerOutcome("crashed", message=message, elapsed_s=0.0, pid=pid)]
 
+        outcomes: list[WorkerOutcome] = []
+        for seq in range(first, first + len(jobs)):
+            outcome = self._await_answer(child, seq, t0, timeout_s)
+            outcomes.append(outcome)
+            t0 = time.monotonic()
+            if not outcome.ok or ends_batch("ok", outcome.value):
+                break
+        return outcomes
+
+    def _await_answer(self, child: _Child, seq: int, t0: float, timeout_s: float) -> WorkerOutcome:
+        """The answer to job ``seq`` (sent, or the one before it answered, at ``t0``)."""
+        pid = child.process.pid
         deadline = t0 + timeout_s
         while True:
             kind, msg = self._await(child, deadline)
@@ -321,7 +341,7 @@ class Worker:
             if got_seq is not None and got_seq != seq:
                 continue  # a stale answer; cannot happen with one job in flight, but be safe
             if status == "ok":
-                if _must_restart(payload):
+                if must_restart(payload):
                     self._replace(graceful=True)
                 return WorkerOutcome("ok", value=payload, elapsed_s=elapsed, pid=pid)
             message = _with_tail(str(payload), _read_tail(child.stderr_path))

@@ -142,10 +142,14 @@ class EvoSampler(SpaceSampler):
         self._tally: _Tally | None = None  # the reader's finished trials as rows, kept up to date
         self._fits_since_search = 0
         self._rows_of: dict[Config, tuple] = {}
-        self._configs: dict[tuple, Config] = {}
+        self._valid_of: dict[tuple, Config] | None = None  # a valid configuration by its canonical values
         self._steps: dict[tuple[str, object], tuple] = {}
         self._at = {name: i for i, name in enumerate(self._names)}
         self._mutable_at: tuple[tuple[int, Param], ...] = tuple((self._at[p.name], p) for p in self._mutable)
+        # per path, where its unused parameters sit and their neutral values (Config.canonical)
+        self._path_at = self._at.get("PATH") if space.paths else None
+        self._neutral_at = {path.name: tuple((self._at[n], v) for n, v in space.unused(path.name).items())
+                            for path in space.paths}
 
     # -- public helpers -------------------------------------------------------------------
     def parents(self, study: Study) -> list[Config]:
@@ -339,28 +343,31 @@ class EvoSampler(SpaceSampler):
         return self._tables
 
     def _breed(self, pool: list[Config], history: History) -> Proposal | None:
-        """A valid, unseen child of one or two parents from ``pool``, or None after the repairs."""
+        """A valid, unseen child of one or two parents from ``pool``, or None after the repairs.
+        The operators work on canonical values; only a valid child is looked up as a configuration."""
         rng = self._rng
         first = self._select(pool)
         parents: tuple[Config, ...] = (first,)
-        child = first
+        child = self._values(first)
         if len(pool) > 1 and rng.random() < self.crossover_rate:
             second = self._select([c for c in pool if c != first])
             parents = (first, second)
-            child = self._crossover(first, second)
+            child = self._crossover(child, self._values(second))
 
-        candidate = self._mutate(child, force=child in parents)
+        candidate = self._mutate(child, force=any(child == self._values(p) for p in parents))
         self._mutations_left -= 1
-        valid, seen = self.valid_set, history.seen
+        valid_of, seen = self.valid_of, history.seen
         for attempt in range(self.max_repairs):
-            if candidate in valid and candidate not in seen:  # is_new
-                return Proposal(candidate, "child", parents)
+            config = valid_of.get(candidate)
+            if config is not None and config not in seen:  # is_new
+                return Proposal(config, "child", parents)
             if self._mutations_left <= 0:  # the proposal's breeding is spent
                 break
             # invalid or seen: mutate again, starting over from the child now and then
             candidate = self._mutate(child if attempt % 8 == 7 else candidate, force=True)
             self._mutations_left -= 1
-        return Proposal(candidate, "child", parents) if self.is_new(candidate, history) else None
+        config = valid_of.get(candidate)
+        return Proposal(config, "child", parents) if config is not None and self.is_new(config, history) else None
 
     # -- operators ----------------------------------------------------------------------------
     def _select(self, pool: list[Config]) -> Config:
@@ -368,27 +375,27 @@ class EvoSampler(SpaceSampler):
         picks = self._rng.sample(range(len(pool)), min(self.tournament, len(pool)))
         return pool[min(picks)]
 
-    def _crossover(self, a: Config, b: Config) -> Config:
-        """Uniform crossover: each parameter from either parent with probability 1/2."""
+    def _crossover(self, a: tuple, b: tuple) -> tuple:
+        """Uniform crossover of two canonical value rows: each parameter from either with probability 1/2."""
         rng = self._rng
         # every parameter, a path's unused ones neutral
-        return self._config(tuple(x if rng.random() < 0.5 else y for x, y in zip(self._values(a), self._values(b))))
+        return self._canonical(tuple(x if rng.random() < 0.5 else y for x, y in zip(a, b)))
 
-    def _mutate(self, config: Config, force: bool = True) -> Config:
+    def _mutate(self, values: tuple, force: bool = True) -> tuple:
         """Each parameter changes with ``mutation_rate``; with ``force``, at least one does."""
         if not self._mutable:
-            return config
+            return values
         rng, rate = self._rng, self.mutation_rate
-        values = list(self._values(config))
+        out = list(values)
         changed = False
         for i, p in self._mutable_at:
             if rng.random() < rate:
-                values[i] = self._step(p, values[i])
+                out[i] = self._step(p, out[i])
                 changed = True
         if not changed and force:
             i, p = rng.choice(self._mutable_at)
-            values[i] = self._step(p, values[i])
-        return self._config(tuple(values))
+            out[i] = self._step(p, out[i])
+        return self._canonical(tuple(out))
 
     def _values(self, config: Config) -> tuple:
         """``config.canonical()``'s values in the order of the space's parameters, computed
@@ -401,18 +408,27 @@ class EvoSampler(SpaceSampler):
             values = self._rows_of[config] = tuple(canonical[n] for n in self._names)
         return values
 
-    def _config(self, values: tuple) -> Config:
-        """``space.config`` of ``values`` (in the order of the space's parameters), the space's
-        own object for a valid one; an operator's child is looked up, not built again, when it
-        comes up again."""
-        config = self._configs.get(values)
-        if config is None:
-            if len(self._configs) >= _MEMO:
-                self._configs.clear()
-            config = self.space.config(dict(zip(self._names, values)))
-            valid = self.tables.index
-            config = self._configs[values] = self.valid[valid[config]] if config in valid else config
-        return config
+    def _canonical(self, values: tuple) -> tuple:
+        """``values`` with the parameters their path does not use at the neutral values, as
+        ``space.config`` would hash them."""
+        if self._path_at is None:
+            return values
+        neutral = self._neutral_at.get(values[self._path_at])
+        if not neutral:
+            return values
+        out = list(values)
+        for i, value in neutral:
+            out[i] = value
+        return tuple(out)
+
+    @property
+    def valid_of(self) -> dict[tuple, Config]:
+        """Every valid configuration by its canonical values (built once)."""
+        if self._valid_of is None:
+            names = self._names
+            self._valid_of = {tuple(map(canonical.__getitem__, names)): c
+                              for c in self.valid for canonical in (c.canonical(),)}
+        return self._valid_of
 
     def _step(self, param: Param, value: object) -> object:
         """An ordinal parameter moves to an adjacent value; a categorical one to another value."""

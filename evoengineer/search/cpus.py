@@ -1,0 +1,65 @@
+"""Which CPUs a search's compile processes may use.
+
+The GPU workers and the search's own threads (the loop, the lanes, the proposer) do little
+work, but a GPU waits whenever they wait for a core. Compiles at a lower priority do not
+stop that on a core shared through hyper-threading (its sibling runs the compile at full
+speed) nor while the scheduler moves a woken worker. So on a host with cores to spare the
+compile processes keep off the first physical cores: one per GPU index this host's
+searches use up to the highest of this search's, and one for the searches' own threads.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+SYSFS = Path("/sys/devices/system/cpu")
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """CPU numbers of a kernel CPU list such as ``0,32`` or ``0-3,8-11``."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def _sysfs_siblings(cpu: int) -> set[int]:
+    try:
+        return parse_cpu_list((SYSFS / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text())
+    except (OSError, ValueError):
+        return {cpu}
+
+
+def physical_cores(cpus: Iterable[int], siblings: Callable[[int], set[int]] = _sysfs_siblings) -> list[tuple[int, ...]]:
+    """``cpus`` grouped by physical core (hyper-thread siblings together), in CPU order."""
+    allowed = set(cpus)
+    cores: dict[tuple[int, ...], None] = {}
+    for cpu in sorted(allowed):
+        cores[tuple(sorted((siblings(cpu) & allowed) | {cpu}))] = None
+    return sorted(cores, key=min)
+
+
+def compile_cpus(devices: Sequence[int], cpus: Iterable[int] | None = None,
+                 siblings: Callable[[int], set[int]] = _sysfs_siblings) -> set[int]:
+    """The CPUs for the compile processes of a search on ``devices`` (GPU indices): all of
+    ``cpus`` (default: those this process may run on) but the first ``max(devices) + 2``
+    physical cores, kept only where at least as many cores remain for the compiles."""
+    allowed = set(os.sched_getaffinity(0) if cpus is None else cpus)
+    cores = physical_cores(allowed, siblings)
+    kept = max(devices, default=0) + 2
+    if len(cores) < 2 * kept:
+        return allowed
+    return {cpu for core in cores[kept:] for cpu in core}
+
+
+def restrict_to(cpus: set[int] | None) -> None:
+    """This process onto ``cpus`` (nothing where None or not permitted)."""
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except (OSError, AttributeError):
+            pass
