@@ -35,6 +35,7 @@ from ..search import (
     run_parts,
     study_problem,
 )
+from ..search.cpus import restrict_to, search_cpus, worker_cpus
 from ..search.loop import build_ahead, compile_pool, writing
 from ..search.strategies import SAMPLERS
 from ..search.partition import DEFAULT_PARTITION, PARTITION_BY, Partition, narrow_evaluator, plan
@@ -227,6 +228,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         arch = space.target.arch
     else:
         require_gpu()
+        restrict_to(search_cpus(devices))  # this thread and those it starts: the lanes, the loop, the proposals
         pool = compile_pool(args.jobs, devices)  # its processes start and warm up beside the GPU workers and SDPA's timing
         try:
             evaluators, info, arch, space = _start_gpus(space, devices, seed, console)
@@ -452,7 +454,8 @@ def _start_gpus(space: Space, devices: list[int], seed: int | None, console: Con
     if missing:
         raise UsageError(f"--devices: no GPU {missing[0]} on this machine ({torch.cuda.device_count()} visible)")
     best_case_us: dict[str, float] = {}  # one racing table for every lane
-    evaluators = [Evaluator(space, device=d, seed=seed or 0, best_case_us=best_case_us) for d in devices]
+    evaluators = [Evaluator(space, device=d, seed=seed or 0, best_case_us=best_case_us, cpus=worker_cpus(d, devices))
+                  for d in devices]
     try:
         for ev in evaluators:
             ev.worker.start()  # the workers start together

@@ -3,9 +3,10 @@
 The GPU workers and the search's own threads (the loop, the lanes, the proposer) do little
 work, but a GPU waits whenever they wait for a core. Compiles at a lower priority do not
 stop that on a core shared through hyper-threading (its sibling runs the compile at full
-speed) nor while the scheduler moves a woken worker. So on a host with cores to spare the
-compile processes keep off the first physical cores: one per GPU index this host's
-searches use up to the highest of this search's, and one for the searches' own threads.
+speed) nor while the scheduler moves a woken worker. So on a host with cores to spare a search
+keeps the first physical cores: core d for the worker of GPU d (up to the highest GPU index
+of the search) and the next one for the search's own threads; the compile processes run on
+the others.
 """
 from __future__ import annotations
 
@@ -43,17 +44,45 @@ def physical_cores(cpus: Iterable[int], siblings: Callable[[int], set[int]] = _s
     return sorted(cores, key=min)
 
 
-def compile_cpus(devices: Sequence[int], cpus: Iterable[int] | None = None,
-                 siblings: Callable[[int], set[int]] = _sysfs_siblings) -> set[int]:
-    """The CPUs for the compile processes of a search on ``devices`` (GPU indices): all of
-    ``cpus`` (default: those this process may run on) but the first ``max(devices) + 2``
-    physical cores, kept only where at least as many cores remain for the compiles."""
+def keeping() -> bool:
+    """Whether searches keep cores for their workers (``EVOENGINEER_KEEP_CORES=0``: not)."""
+    return os.environ.get("EVOENGINEER_KEEP_CORES") != "0"
+
+
+def kept_cores(devices: Sequence[int], cpus: Iterable[int] | None = None,
+               siblings: Callable[[int], set[int]] = _sysfs_siblings) -> list[tuple[int, ...]]:
+    """The physical cores a search on ``devices`` (GPU indices) keeps: the first
+    ``max(devices) + 2`` of ``cpus`` (default: those this process may run on), core ``d`` for
+    device ``d``'s worker and the next for the search; none where fewer than twice as many
+    cores are there, or ``keeping()`` is off."""
     allowed = set(os.sched_getaffinity(0) if cpus is None else cpus)
     cores = physical_cores(allowed, siblings)
     kept = max(devices, default=0) + 2
-    if len(cores) < 2 * kept:
-        return allowed
-    return {cpu for core in cores[kept:] for cpu in core}
+    return cores[:kept] if keeping() and len(cores) >= 2 * kept else []
+
+
+def compile_cpus(devices: Sequence[int], cpus: Iterable[int] | None = None,
+                 siblings: Callable[[int], set[int]] = _sysfs_siblings) -> set[int]:
+    """The CPUs for the compile processes of a search on ``devices``: all of ``cpus`` but the
+    kept cores."""
+    allowed = set(os.sched_getaffinity(0) if cpus is None else cpus)
+    return allowed - {cpu for core in kept_cores(devices, allowed, siblings) for cpu in core}
+
+
+def worker_cpus(device: int, devices: Sequence[int], cpus: Iterable[int] | None = None,
+                siblings: Callable[[int], set[int]] = _sysfs_siblings) -> set[int] | None:
+    """The CPUs of device ``device``'s worker: its kept core (None where none is kept)."""
+    kept = kept_cores(devices, cpus, siblings)
+    return set(kept[device]) if kept else None
+
+
+def search_cpus(devices: Sequence[int], cpus: Iterable[int] | None = None,
+                siblings: Callable[[int], set[int]] = _sysfs_siblings) -> set[int] | None:
+    """The CPUs of the search's own threads: the kept cores but its workers' (None where
+    none is kept)."""
+    kept = kept_cores(devices, cpus, siblings)
+    mine = {cpu for i, core in enumerate(kept) if i not in set(devices) for cpu in core}
+    return mine or None
 
 
 def restrict_to(cpus: set[int] | None) -> None:

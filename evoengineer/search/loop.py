@@ -1037,10 +1037,9 @@ def compile_pool(workers: int | None = None, devices: Sequence[int] = ()) -> Pro
     while the GPU workers start and SDPA is timed, so that no partition's first candidates wait
     for a process to start. They run on ``cpus.compile_cpus(devices)`` (the host's CPUs but
     cores kept for the GPU workers and the search), ``workers`` of them (default: one per
-    CPU there, or one per CPU but one where none is kept; ``EVOENGINEER_KEEP_CORES=0`` keeps
-    none). The caller shuts it down."""
+    CPU there, or one per CPU but one where none is kept). The caller shuts it down."""
     allowed = os.sched_getaffinity(0)
-    cpus = allowed if os.environ.get("EVOENGINEER_KEEP_CORES") == "0" else compile_cpus(devices, allowed)
+    cpus = compile_cpus(devices, allowed)
     workers = workers or (len(cpus) if cpus != allowed else max(1, len(allowed) - 1))
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_compile_process_init, initargs=(cpus if cpus != allowed else None,))
