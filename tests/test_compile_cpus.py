@@ -8,7 +8,7 @@ import multiprocessing
 
 import pytest
 
-from evoengineer.search.cpus import compile_cpus, parse_cpu_list, physical_cores, search_cpus, worker_cpus
+from evoengineer.search.cpus import compile_cpus, parse_cpu_list, physical_cores, worker_cpus
 from evoengineer.search.loop import _compile_process_init
 
 
@@ -44,12 +44,11 @@ def test_a_second_search_on_the_upper_gpus_keeps_their_cores_too() -> None:
         {c for core in range(3) for c in (core, core + 32)}
 
 
-def test_each_worker_gets_its_gpus_core_and_the_search_the_next() -> None:
+def test_each_worker_gets_its_gpus_core() -> None:
     host, threads = range(64), _two_threads_a_core(32)
     assert [worker_cpus(d, [0, 1, 2, 3], host, threads) for d in range(4)] == [{d, d + 32} for d in range(4)]
-    assert search_cpus([0, 1, 2, 3], host, threads) == {4, 36}
-    assert search_cpus([2, 3], host, threads) == {0, 32, 1, 33, 4, 36}  # a second search's: not its workers' cores
-    assert worker_cpus(0, [0], range(2), lambda cpu: {cpu}) is None and search_cpus([0], range(2), lambda cpu: {cpu}) is None
+    assert worker_cpus(3, [2, 3], host, threads) == {3, 35}
+    assert worker_cpus(0, [0], range(2), lambda cpu: {cpu}) is None
 
 
 def test_keeping_no_cores_when_told(monkeypatch: pytest.MonkeyPatch) -> None:

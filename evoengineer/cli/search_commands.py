@@ -35,7 +35,7 @@ from ..search import (
     run_parts,
     study_problem,
 )
-from ..search.cpus import restrict_to, search_cpus, worker_cpus
+from ..search.cpus import worker_cpus
 from ..search.loop import build_ahead, compile_pool, writing
 from ..search.strategies import SAMPLERS
 from ..search.partition import DEFAULT_PARTITION, PARTITION_BY, Partition, narrow_evaluator, plan
@@ -228,7 +228,6 @@ def cmd_search(args: argparse.Namespace) -> int:
         arch = space.target.arch
     else:
         require_gpu()
-        restrict_to(search_cpus(devices))  # this thread and those it starts: the lanes, the loop, the proposals
         pool = compile_pool(args.jobs, devices)  # its processes start and warm up beside the GPU workers and SDPA's timing
         try:
             evaluators, info, arch, space = _start_gpus(space, devices, seed, console)

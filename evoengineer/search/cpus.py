@@ -6,7 +6,8 @@ stop that on a core shared through hyper-threading (its sibling runs the compile
 speed) nor while the scheduler moves a woken worker. So on a host with cores to spare a search
 keeps the first physical cores: core d for the worker of GPU d (up to the highest GPU index
 of the search) and the next one for the search's own threads; the compile processes run on
-the others.
+the others. (The search process itself is not pinned: the compile processes it spawns would
+import their modules on its one core before moving to theirs.)
 """
 from __future__ import annotations
 
@@ -74,15 +75,6 @@ def worker_cpus(device: int, devices: Sequence[int], cpus: Iterable[int] | None 
     """The CPUs of device ``device``'s worker: its kept core (None where none is kept)."""
     kept = kept_cores(devices, cpus, siblings)
     return set(kept[device]) if kept else None
-
-
-def search_cpus(devices: Sequence[int], cpus: Iterable[int] | None = None,
-                siblings: Callable[[int], set[int]] = _sysfs_siblings) -> set[int] | None:
-    """The CPUs of the search's own threads: the kept cores but its workers' (None where
-    none is kept)."""
-    kept = kept_cores(devices, cpus, siblings)
-    mine = {cpu for i, core in enumerate(kept) if i not in set(devices) for cpu in core}
-    return mine or None
 
 
 def restrict_to(cpus: set[int] | None) -> None:
