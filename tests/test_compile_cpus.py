@@ -8,7 +8,7 @@ import multiprocessing
 
 import pytest
 
-from evoengineer.search.cpus import compile_cpus, parse_cpu_list, physical_cores, worker_cpus
+from evoengineer.search.cpus import compile_cpus, parse_cpu_list, physical_cores
 from evoengineer.search.loop import _compile_process_init
 
 
@@ -44,17 +44,9 @@ def test_a_second_search_on_the_upper_gpus_keeps_their_cores_too() -> None:
         {c for core in range(3) for c in (core, core + 32)}
 
 
-def test_each_worker_gets_its_gpus_core() -> None:
-    host, threads = range(64), _two_threads_a_core(32)
-    assert [worker_cpus(d, [0, 1, 2, 3], host, threads) for d in range(4)] == [{d, d + 32} for d in range(4)]
-    assert worker_cpus(3, [2, 3], host, threads) == {3, 35}
-    assert worker_cpus(0, [0], range(2), lambda cpu: {cpu}) is None
-
-
 def test_keeping_no_cores_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EVOENGINEER_KEEP_CORES", "0")
     assert compile_cpus([0, 1, 2, 3], range(64), _two_threads_a_core(32)) == set(range(64))
-    assert worker_cpus(0, [0], range(64), _two_threads_a_core(32)) is None
 
 
 def test_a_small_host_keeps_nothing() -> None:

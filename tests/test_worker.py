@@ -164,14 +164,6 @@ def test_a_batch_ends_where_a_job_asks_for_a_fresh_child(worker: Worker) -> None
     assert worker.run({"do": "ok"}, 10).ok and worker.restarts == 1
 
 
-def test_a_worker_given_cpus_runs_on_them() -> None:
-    last = max(os.sched_getaffinity(0))
-    with Worker(H, cpus={last}) as w:
-        assert w.run({"do": "cpus"}, 60).value == [last]
-    with Worker(H) as w:
-        assert w.run({"do": "cpus"}, 60).value == sorted(os.sched_getaffinity(0))
-
-
 def test_device_sets_cuda_visible_devices_before_start() -> None:
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     with Worker(H, device=3, env={"EVO_TEST_EXTRA": "x"}) as w:

@@ -35,7 +35,6 @@ from ..search import (
     run_parts,
     study_problem,
 )
-from ..search.cpus import worker_cpus
 from ..search.loop import build_ahead, compile_pool, writing
 from ..search.strategies import SAMPLERS
 from ..search.partition import DEFAULT_PARTITION, PARTITION_BY, Partition, narrow_evaluator, plan
@@ -453,8 +452,7 @@ def _start_gpus(space: Space, devices: list[int], seed: int | None, console: Con
     if missing:
         raise UsageError(f"--devices: no GPU {missing[0]} on this machine ({torch.cuda.device_count()} visible)")
     best_case_us: dict[str, float] = {}  # one racing table for every lane
-    evaluators = [Evaluator(space, device=d, seed=seed or 0, best_case_us=best_case_us, cpus=worker_cpus(d, devices))
-                  for d in devices]
+    evaluators = [Evaluator(space, device=d, seed=seed or 0, best_case_us=best_case_us) for d in devices]
     try:
         for ev in evaluators:
             ev.worker.start()  # the workers start together

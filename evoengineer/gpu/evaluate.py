@@ -493,16 +493,14 @@ class Evaluator:
     """Evaluate configurations of a space on one GPU through a crash-isolating worker."""
 
     def __init__(self, space: Space, *, arch: str | None = None, device: int | None = 0, seed: int = 0,
-                 gate_trials: int = 2, worker: Any = None, best_case_us: dict[str, float] | None = None,
-                 cpus: set[int] | None = None) -> None:
-        """``cpus``: the CPUs its worker runs on (default: this process's)."""
+                 gate_trials: int = 2, worker: Any = None, best_case_us: dict[str, float] | None = None) -> None:
         from .worker import Worker
 
         self.space = space
         self.arch = arch or space.target.arch
         self.seed = seed
         self.gate_trials = gate_trials
-        self.worker = worker or Worker(HANDLER, device=device, cpus=cpus)
+        self.worker = worker or Worker(HANDLER, device=device)
         self._known_restarts = -1
         self._info: dict | None = None
         self.phases: dict[str, float] = {}

@@ -3,11 +3,10 @@
 The GPU workers and the search's own threads (the loop, the lanes, the proposer) do little
 work, but a GPU waits whenever they wait for a core. Compiles at a lower priority do not
 stop that on a core shared through hyper-threading (its sibling runs the compile at full
-speed) nor while the scheduler moves a woken worker. So on a host with cores to spare a search
-keeps the first physical cores: core d for the worker of GPU d (up to the highest GPU index
-of the search) and the next one for the search's own threads; the compile processes run on
-the others. (The search process itself is not pinned: the compile processes it spawns would
-import their modules on its one core before moving to theirs.)
+speed) nor while the scheduler moves a woken worker. So on a host with cores to spare the
+compile processes keep off the first physical cores: one per GPU index up to the highest of
+the search's, one for the search's own threads. The workers and the search are not pinned
+to them (one CPU for a worker's and the CUDA driver's threads made its evaluations slower).
 """
 from __future__ import annotations
 
@@ -52,10 +51,9 @@ def keeping() -> bool:
 
 def kept_cores(devices: Sequence[int], cpus: Iterable[int] | None = None,
                siblings: Callable[[int], set[int]] = _sysfs_siblings) -> list[tuple[int, ...]]:
-    """The physical cores a search on ``devices`` (GPU indices) keeps: the first
-    ``max(devices) + 2`` of ``cpus`` (default: those this process may run on), core ``d`` for
-    device ``d``'s worker and the next for the search; none where fewer than twice as many
-    cores are there, or ``keeping()`` is off."""
+    """The physical cores a search on ``devices`` (GPU indices) keeps free of compiles: the
+    first ``max(devices) + 2`` of ``cpus`` (default: those this process may run on); none where
+    fewer than twice as many cores are there, or ``keeping()`` is off."""
     allowed = set(os.sched_getaffinity(0) if cpus is None else cpus)
     cores = physical_cores(allowed, siblings)
     kept = max(devices, default=0) + 2
@@ -68,13 +66,6 @@ def compile_cpus(devices: Sequence[int], cpus: Iterable[int] | None = None,
     kept cores."""
     allowed = set(os.sched_getaffinity(0) if cpus is None else cpus)
     return allowed - {cpu for core in kept_cores(devices, allowed, siblings) for cpu in core}
-
-
-def worker_cpus(device: int, devices: Sequence[int], cpus: Iterable[int] | None = None,
-                siblings: Callable[[int], set[int]] = _sysfs_siblings) -> set[int] | None:
-    """The CPUs of device ``device``'s worker: its kept core (None where none is kept)."""
-    kept = kept_cores(devices, cpus, siblings)
-    return set(kept[device]) if kept else None
 
 
 def restrict_to(cpus: set[int] | None) -> None:

@@ -28,11 +28,6 @@ def _watch_parent(parent_pid: int) -> None:
 def child_main(conn: multiprocessing.connection.Connection, spec: ChildSpec) -> None:
     """Body of the child process: set up, run init, then answer jobs until told to stop."""
     os.environ.update(spec.env)
-    if spec.cpus:
-        try:
-            os.sched_setaffinity(0, spec.cpus)
-        except OSError:  # not permitted, or CPUs gone: the parent's
-            pass
     try:
         sys.stderr.flush()
     except Exception:

@@ -42,8 +42,6 @@ class ChildSpec:
     env: dict[str, str]
     stderr_path: str
     parent_pid: int
-    cpus: frozenset[int] | None = None
-    """The CPUs the child runs on (None: its parent's)."""
 
 
 def resolve_callable(name: str) -> Callable[..., Any]:

@@ -84,10 +84,8 @@ class Worker:
         start_timeout_s: float = 300.0,
         kill_grace_s: float = 1.0,
         restart_eagerly: bool = True,
-        cpus: set[int] | None = None,
     ) -> None:
         self.handler = handler
-        self.cpus = frozenset(cpus) if cpus else None
         self.device = device
         self.init = init
         self.init_args = tuple(init_args)
@@ -207,7 +205,6 @@ class Worker:
             env=dict(self.env),
             stderr_path=stderr_path,
             parent_pid=os.getpid(),
-            cpus=self.cpus,
         )
         process = _CTX.Process(
             target=child_main,
