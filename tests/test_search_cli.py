@@ -434,7 +434,7 @@ def test_replay_demo_takes_the_recordings_own_space_and_a_results_file_replays_i
 
 @pytest.mark.parametrize("space, recording, words", [
     ("recordings/h100_mma_seed.yaml", "benchmarks/recordings/h100_mma_d128.jsonl", ["h100_mma_d128.jsonl", "'B1 H8 S512 D64'"]),
-    ("h100", "demo", ["h100_mma_seed.jsonl", "CONSUMER_WGS"]),
+    ("h100", "demo", ["h100_mma_seed.jsonl", "'B4 H16 S2048 D64'"]),
     ("tests/data/replay_small_space.yaml", "demo", ["replay_small", "KV_GROUPS"]),
 ])
 def test_replay_on_a_space_it_does_not_match_stops_at_once(tmp_path: Path, space: str, recording: str,
@@ -446,6 +446,31 @@ def test_replay_on_a_space_it_does_not_match_stops_at_once(tmp_path: Path, space
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and all(w in proc.stderr for w in words), proc.stderr
     assert not (tmp_path / "runs").exists()  # no stub run directory
+
+
+def test_a_recording_of_a_space_of_several_paths_replays(tmp_path: Path) -> None:
+    """Each record holds its own path's parameters (as a run's results.jsonl does): the recording
+    matches its space of several paths, and a record missing one of its path's parameters does not."""
+    from evoengineer.space import load_space
+
+    space = load_space("h100-backward")
+    valid = list(space.valid_configs())
+    assert len({c.to_dict()["PATH"] for c in valid}) == 2
+    lines = [json.dumps({"header": {"space": "h100-backward"}})]
+    lines += [json.dumps({"config": c.to_dict(), "key": c.key(), "status": "ok", "objective_us": 100.0 + i})
+              for i, c in enumerate(valid)]
+    recording = tmp_path / "rec.jsonl"
+    recording.write_text("\n".join(lines) + "\n")
+    done = cli("search", "--space", "h100-backward", "--replay", str(recording), "--trials", "6", "--json",
+               "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["summary"]["counts"]["ok"] == 6
+
+    first = json.loads(lines[1])
+    del first["config"][sorted(k for k in first["config"] if k != "PATH")[0]]
+    recording.write_text("\n".join([lines[0], json.dumps(first), *lines[2:]]) + "\n")
+    proc = cli("search", "--space", "h100-backward", "--replay", str(recording), cwd=tmp_path)
+    assert proc.returncode == 2 and "that it does not record" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("argv, words", [

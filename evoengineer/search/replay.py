@@ -132,7 +132,9 @@ class ReplayEvaluator:
         first = next(iter(self.records), None)
         if first is None:
             return f"{self.path.name} holds no evaluations"
-        recorded, wanted = set(first), set(space.param_names)
+        recorded = set(first)
+        own = space.path_space(first.to_dict().get("PATH")) if space.paths else None
+        wanted = {"PATH", *own.param_names} if own is not None else set(space.param_names)  # a path's own
         if recorded != wanted:
             extra, lacking = sorted(wanted - recorded), sorted(recorded - wanted)
             detail = (f"space {space.name} has parameter(s) {', '.join(extra)} that it does not record" if extra else
