@@ -74,6 +74,8 @@ def measure(args: argparse.Namespace, root: Path) -> dict:
         "overhead_ms_per_evaluation": round(1000 * (wall * args.devices - busy) / n, 1),
         "search_cpu_ms_per_evaluation": round(1000 * cpu / n, 1),
         "phases_mean_ms": {k: round(1000 * v / n, 1) for k, v in phases.items() if v},
+        # the strategy's batches computed in the search process (not those of a batch process)
+        "batches_here": dict(getattr(study.sampler, "batch_stats", {})),
     }
 
 

@@ -102,6 +102,44 @@ def test_background_prefetch_fills_the_queue_and_asks_pop_it() -> None:
     assert sampler.batch_stats["batches"] == before
 
 
+def test_a_batch_process_computes_the_batch_this_process_would(tmp_path: Path) -> None:
+    """The batch process's sampler (made as the search's was) reads the study from its storage
+    and proposes what a sampler made the same way proposes here; the prefetched batch comes from
+    it, computed nowhere in this process."""
+    import random
+    import time
+
+    from evoengineer.search import make_storage
+
+    replay = ReplayEvaluator(SMALL)
+    space = replay.space()
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    sampler = make_sampler("evo", space, seed=2)
+    study = optuna.create_study(storage=make_storage(url, heartbeat_s=None), sampler=sampler, study_name="s")
+    for _ in range(12):
+        _batch_round(study, space, replay, 1)
+    here = make_sampler("evo", space, seed=2)
+    expected = [p.config for p in here.compute_batch(study, here.history(study), 8, random.Random("label"))]
+    sampler.use_process(url, "s")
+    try:
+        deadline = time.monotonic() + 120
+        while not sampler._remote.ready and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rows = sampler._remote.batch(8, [], "label")
+        assert rows is not None and [space.config(c) for c, _, _ in rows] == expected
+        assert [space.config(c) for c, _, _ in sampler._remote.batch(4, expected[:2], "label")] != expected[:4]
+        computed = sampler.batch_stats["batches"]
+        sampler.prefetch(study, 8)
+        sampler.wait_prefetch(timeout=60)
+        queued = [p.config for p in sampler._queue]
+        assert len(set(queued)) == 8 and all(space.contains(c) for c in queued)
+        assert all(c is sampler._own[c] for c in queued)  # the space's own configuration objects
+        assert sampler.batch_stats["batches"] == computed
+    finally:
+        sampler.close_process()
+    assert sampler._remote is None
+
+
 @pytest.mark.parametrize("devices", [1, 8])
 def test_search_on_simulated_devices_keeps_the_budget_exact(tmp_path: Path, devices: int) -> None:
     # 50 ms an evaluation: on a loaded 2-core machine 10 ms let one of 8 lanes find the budget gone

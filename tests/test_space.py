@@ -307,3 +307,14 @@ def test_spaces_reads_valid_sizes_from_its_cache_keyed_by_the_file(tmp_path: Pat
                           timeout=120, env={**os.environ, "EVOENGINEER_CACHE_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     assert [row["valid"] for row in json.loads(proc.stdout)] == [1000 + i for i in range(len(planted))]
+
+
+def test_a_space_with_constraints_pickles_and_enumerates_the_same() -> None:
+    """A space travels to another process (a batch process's sampler): its constraints' code
+    objects do not pickle, so they are parsed again from their text."""
+    import pickle
+
+    space = load_space(Path(__file__).parent / "data" / "replay_small_space.yaml")
+    assert any(p.constraints for p in space.paths) or space.constraints
+    again = pickle.loads(pickle.dumps(space))
+    assert again == space and list(again.valid_configs()) == list(space.valid_configs())

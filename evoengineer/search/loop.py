@@ -998,13 +998,18 @@ def run_parts(
 class _Proposer:
     """The strategy's proposals in batches, off the loop's thread: a sampler that computes
     them in batches (``SpaceSampler``) proposes one per device at once, and computes the
-    next batch on its own thread while the devices work, so that an ask only pops one."""
+    next batch on its own thread while the devices work, so that an ask only pops one; on
+    several devices with the study in an RDB storage, in a process of its own
+    (``SpaceSampler.use_process``)."""
 
     def __init__(self, sampler: Any, study: optuna.Study, devices: int) -> None:
         self.sampler, self.study, self.devices = sampler, study, max(1, devices)
         self.enabled = callable(getattr(sampler, "prefetch", None))
         if self.enabled:
             sampler.batch_size = self.devices
+        rdb = internals.rdb_backend(study)
+        if self.enabled and self.devices > 1 and rdb is not None and hasattr(sampler, "use_process"):
+            sampler.use_process(rdb.url, study.study_name)  # off this process's interpreter lock
         if hasattr(sampler, "claim_params"):
             sampler.claim_params = True  # the ask stores the parameters with the claim: one transaction
 
@@ -1015,6 +1020,8 @@ class _Proposer:
     def close(self) -> None:
         if self.enabled:
             self.sampler.wait_prefetch(timeout=30)
+        if hasattr(self.sampler, "close_process"):
+            self.sampler.close_process()
         if hasattr(self.sampler, "claim_params"):
             self.sampler.claim_params = False
 

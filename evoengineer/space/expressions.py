@@ -85,6 +85,10 @@ class SafeExpression:
     calls: Mapping[str, Callable[[Mapping[str, Any]], Any]] = field(default_factory=dict, repr=False, compare=False)
     """The scope functions the expression calls (each reads every parameter of the configuration)."""
 
+    def __reduce__(self) -> tuple:
+        """Pickled as its text, parsed again where it is loaded (a code object does not pickle)."""
+        return (parse_expression, (self.text, self.names, dict(self.calls)))
+
     def __call__(self, variables: Mapping[str, Any]) -> Any:
         try:
             scope = dict(variables)

@@ -59,7 +59,9 @@ def make_sampler(name: str, space: Space, *, seed: int | None = None, **options:
     if unknown:
         known = ", ".join(accepted) or "none"
         raise ValueError(f"unknown option(s) for strategy {name!r}: {', '.join(unknown)} (accepted: {known})")
-    return cls(space, seed=seed, **options)
+    sampler = cls(space, seed=seed, **options)
+    sampler.recipe = (name, space, seed, dict(options))
+    return sampler
 
 
 def suggest_config(trial: optuna.trial.BaseTrial, space: Space) -> Config:

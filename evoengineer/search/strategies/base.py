@@ -352,6 +352,10 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         self._reading = threading.Lock()  # the history reader is not re-entrant
         self._background: threading.Thread | None = None
         self._background_runs = 0
+        self.recipe: tuple[str, Space, int | None, dict] | None = None
+        """How ``make_sampler`` made this sampler (a batch process makes its own from it)."""
+        self._remote: Any = None  # a BatchProcess computing the background batches, if any
+        self._own: dict[Config, Config] | None = None
         self.batch_stats = {"batches": 0, "proposals": 0, "seconds": 0.0, "background": 0}
 
     @classmethod
@@ -442,8 +446,45 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         if self._background is not None:
             self._background.join(timeout)
 
+    def use_process(self, url: str, study_name: str) -> None:
+        """Compute the background batches in a process of their own (``BatchProcess``), which
+        reads the study ``study_name`` from the storage at ``url``."""
+        from .remote import BatchProcess
+
+        if self.recipe is not None and self._remote is None:
+            self._remote = BatchProcess(self.recipe, url, study_name, self.batch_size)
+
+    def close_process(self) -> None:
+        if self._remote is not None:
+            self.wait_prefetch(timeout=30)
+            self._remote.close()
+            self._remote = None
+
+    def compute_batch(self, study: Study, history: History, k: int, rng: random.Random) -> list[Proposal]:
+        """A background batch of up to ``k`` proposals from ``history`` (a batch process's work)."""
+        with self._compute:
+            return self._batch(study, None, history, k, rng, background=True)
+
+    def _fill_remote(self, k: int, label: str) -> bool:
+        """The next batch from the batch process: False if it failed (then computed here)."""
+        with self._compute:
+            queued = [p.config for p in self._queue]
+            want = k - len(queued)
+            if want <= 0:
+                return True
+            rows = self._remote.batch(want, queued, label)
+            if rows is None:
+                return False
+            if self._own is None:
+                self._own = {c: c for c in self.valid}
+            own = lambda values: self._own.get(self.space.config(values)) or self.space.config(values)  # noqa: E731
+            self._queue.extend(Proposal(own(c), origin, tuple(own(p) for p in parents)) for c, origin, parents in rows)
+            return True
+
     def _fill(self, study: Study, k: int, label: str) -> None:
         try:
+            if self._remote is not None and self._fill_remote(k, label):
+                return
             history = self.history(study)
             with self._compute:
                 for queued in self._queue:
