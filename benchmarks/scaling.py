@@ -26,6 +26,9 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from evoengineer.search.cpus import compile_cpus  # noqa: E402
 
 
 def _gpus_present() -> int:
@@ -149,7 +152,10 @@ def main() -> None:
             study = f"scaling-{n}-{os.getpid()}-{int(time.time())}"
             started = time.perf_counter()
             clocks = Clocks(0 if args.replay else n)
-            jobs = ["--jobs", str(max(1, ((os.cpu_count() or 2) - 1) // len(groups)))] if not args.replay else []
+            # the searches share the CPUs for compiles that one search of all n GPUs would have
+            cpus = compile_cpus(range(n))
+            free = len(cpus) if cpus != os.sched_getaffinity(0) else len(cpus) - 1
+            jobs = ["--jobs", str(max(1, free // len(groups)))] if not args.replay else []
             procs = [_search(args, r, ["--devices", group, "--storage", storage, "--study", study, "--quiet", *jobs],
                              root / f"cache-process-{n}") for r, group in zip(runs, groups)]
             rows.append({**_finish(procs, runs, started, f"{len(groups)}x{per}", n), **clocks.stop()})

@@ -133,7 +133,7 @@ def test_a_batch_process_computes_the_batch_this_process_would(tmp_path: Path) -
         sampler.wait_prefetch(timeout=60)
         queued = [p.config for p in sampler._queue]
         assert len(set(queued)) == 8 and all(space.contains(c) for c in queued)
-        assert all(c is sampler._own[c] for c in queued)  # the space's own configuration objects
+        assert all(c is sampler._reader.intern[c] for c in queued)  # the space's own configuration objects
         assert sampler.batch_stats["batches"] == computed
     finally:
         sampler.close_process()

@@ -1047,9 +1047,10 @@ def compile_pool(workers: int | None = None, devices: Sequence[int] = ()) -> Pro
     CPU there, or one per CPU but one where none is kept). The caller shuts it down."""
     allowed = os.sched_getaffinity(0)
     cpus = compile_cpus(devices, allowed)
-    workers = workers or (len(cpus) if cpus != allowed else max(1, len(allowed) - 1))
+    keeping = cpus != allowed
+    workers = workers or (len(cpus) if keeping else max(1, len(allowed) - 1))
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_compile_process_init, initargs=(cpus if cpus != allowed else None,))
+                               initializer=_compile_process_init, initargs=(cpus if keeping else None,))
     for _ in range(workers):
         pool.submit(_warm_compile_process)
     return pool

@@ -63,14 +63,14 @@ def child_main(conn: multiprocessing.connection.Connection, spec: ChildSpec) -> 
             continue
         if msg[0] == "stop":
             return
-        kind, seq, job = msg
-        for i, one in enumerate(job if kind == "jobs" else [job]):
-            if _answer(conn, handler, seq + i, one) is None:
+        _, seq, jobs = msg
+        for i, job in enumerate(jobs):
+            if not _answer(conn, handler, seq + i, job):
                 break
 
 
-def _answer(conn: multiprocessing.connection.Connection, handler: Any, seq: int, job: Any) -> str | None:
-    """Run one job and send its answer: its status, None where it ends a batch."""
+def _answer(conn: multiprocessing.connection.Connection, handler: Any, seq: int, job: Any) -> bool:
+    """Run one job and send its answer: whether the batch goes on after it."""
     try:
         os.ftruncate(2, 0)  # the stderr tail then belongs to this job
     except OSError:
@@ -87,7 +87,7 @@ def _answer(conn: multiprocessing.connection.Connection, handler: Any, seq: int,
     except Exception as exc:  # noqa: BLE001 - pickling failed before anything was written
         answer = ("error", seq, f"answer could not be pickled: {format_exception(exc)}")
         conn.send(answer)
-    return None if ends_batch(answer[0], answer[2]) else answer[0]
+    return not ends_batch(answer[0], answer[2])
 
 
 def _flush_stdio() -> None:

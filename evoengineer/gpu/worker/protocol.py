@@ -1,11 +1,10 @@
 """The wire between a worker's parent and its child: what is sent at spawn, the
 messages each way, and what a job's fate is reported as.
 
-Parent to child: the ``ChildSpec`` at spawn, then ``("job", seq, job)``, ``("jobs", seq,
-[job, ...])`` or ``("stop",)``. Child to parent: ``("ready", None, pid)`` or ``("init_error",
-None, text)`` once, then ``("ok", seq, value)`` or ``("error", seq, text)`` per job; the jobs
-of a batch are answered in order, seq, seq + 1, ..., up to the first answer that ends it
-(``ends_batch``).
+Parent to child: the ``ChildSpec`` at spawn, then ``("jobs", seq, [job, ...])`` or
+``("stop",)``. Child to parent: ``("ready", None, pid)`` or ``("init_error", None, text)``
+once, then ``("ok", seq, value)`` or ``("error", seq, text)`` per job, in order (seq, seq + 1,
+...), up to the first answer that ends the batch (``ends_batch``).
 """
 from __future__ import annotations
 

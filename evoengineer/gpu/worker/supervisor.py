@@ -135,14 +135,7 @@ class Worker:
         A child that is not up yet is started first; its start and `init` are
         waited for separately, up to `start_timeout_s`.
         """
-        with self._run_lock:
-            if self._closed:
-                raise RuntimeError("worker is closed")
-            try:
-                return self._run(job, timeout_s)
-            finally:
-                if self._closed:
-                    self._discard_child(graceful=False)
+        return self.run_many([job], timeout_s)[0]
 
     def run_many(self, jobs: list[Any], timeout_s: float) -> list[WorkerOutcome]:
         """Run ``jobs`` in the child in one round trip, in order, each given up to ``timeout_s``
@@ -285,10 +278,7 @@ class Worker:
         self._replace(graceful=False)
         return WorkerOutcome("crashed", message=message, elapsed_s=elapsed, pid=pid)
 
-    def _run(self, job: Any, timeout_s: float) -> WorkerOutcome:
-        return self._run_jobs([job], timeout_s, batch=False)[0]
-
-    def _run_jobs(self, jobs: list[Any], timeout_s: float, batch: bool = True) -> list[WorkerOutcome]:
+    def _run_jobs(self, jobs: list[Any], timeout_s: float) -> list[WorkerOutcome]:
         self._reap_dying(timeout=0)
         failed = self._ensure_ready()
         if failed is not None:
@@ -300,7 +290,7 @@ class Worker:
         self._seq += len(jobs)
         t0 = time.monotonic()
         try:
-            child.conn.send(("jobs", first, jobs) if batch else ("job", first, jobs[0]))
+            child.conn.send(("jobs", first, jobs))
         except (BrokenPipeError, EOFError, ConnectionResetError, OSError):
             message = self._death_message(child, prefix="worker died before the job was sent: ")
             self._replace(graceful=False)

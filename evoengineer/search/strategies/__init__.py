@@ -60,7 +60,7 @@ def make_sampler(name: str, space: Space, *, seed: int | None = None, **options:
         known = ", ".join(accepted) or "none"
         raise ValueError(f"unknown option(s) for strategy {name!r}: {', '.join(unknown)} (accepted: {known})")
     sampler = cls(space, seed=seed, **options)
-    sampler.recipe = (name, space, seed, dict(options))
+    sampler.recipe = (cls, space, seed, dict(options))
     return sampler
 
 

@@ -352,10 +352,9 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         self._reading = threading.Lock()  # the history reader is not re-entrant
         self._background: threading.Thread | None = None
         self._background_runs = 0
-        self.recipe: tuple[str, Space, int | None, dict] | None = None
+        self.recipe: tuple[type, Space, int | None, dict] | None = None
         """How ``make_sampler`` made this sampler (a batch process makes its own from it)."""
         self._remote: Any = None  # a BatchProcess computing the background batches, if any
-        self._own: dict[Config, Config] | None = None
         self.batch_stats = {"batches": 0, "proposals": 0, "seconds": 0.0, "background": 0}
 
     @classmethod
@@ -475,9 +474,8 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
             rows = self._remote.batch(want, queued, label)
             if rows is None:
                 return False
-            if self._own is None:
-                self._own = {c: c for c in self.valid}
-            own = lambda values: self._own.get(self.space.config(values)) or self.space.config(values)  # noqa: E731
+            self.valid  # noqa: B018 - the reader's table of the space's own configuration objects
+            own = lambda values: self._reader._interned(self.space.config(values))  # noqa: E731
             self._queue.extend(Proposal(own(c), origin, tuple(own(p) for p in parents)) for c, origin, parents in rows)
             return True
 

@@ -19,8 +19,8 @@ from ...space import Config, Space
 
 _CTX = multiprocessing.get_context("spawn")
 
-Recipe = tuple[str, Space, "int | None", dict]
-"""How the sampler was made: ``make_sampler(name, space, seed=seed, **options)``."""
+Recipe = tuple[type, Space, "int | None", dict]
+"""How the sampler was made: ``cls(space, seed=seed, **options)`` (``make_sampler``)."""
 
 
 class BatchProcess:
@@ -77,11 +77,11 @@ def _serve(conn: Any, recipe: Recipe, url: str, study_name: str, batch_size: int
     import optuna
 
     from ..study import make_storage
-    from . import make_sampler
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    name, space, seed, options = recipe
-    sampler = make_sampler(name, space, seed=seed, **options)
+    cls, space, seed, options = recipe
+    sampler = cls(space, seed=seed, **options)
+    sampler.recipe = recipe
     sampler.batch_size = batch_size
     study = optuna.load_study(study_name=study_name, storage=make_storage(url, heartbeat_s=None), sampler=sampler)
     sampler.valid  # noqa: B018 - the space enumerated before the first request
