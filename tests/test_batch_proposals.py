@@ -102,6 +102,24 @@ def test_background_prefetch_fills_the_queue_and_asks_pop_it() -> None:
     assert sampler.batch_stats["batches"] == before
 
 
+def test_two_searches_of_one_seed_prefetch_different_batches() -> None:
+    """The background batch's draws depend on the search (the loop's run name), not on the seed
+    alone: two searches of the same seed on one study would otherwise propose the same batches."""
+    replay = ReplayEvaluator(SMALL)
+    space = replay.space()
+
+    def batch(identity: str) -> list[Config]:
+        sampler = make_sampler("random", space, seed=5)
+        sampler.identity = identity
+        study = optuna.create_study(sampler=sampler)
+        sampler.prefetch(study, 8)
+        sampler.wait_prefetch(timeout=60)
+        return [p.config for p in sampler._queue]
+
+    assert batch("run-a") == batch("run-a")
+    assert batch("run-a") != batch("run-b")
+
+
 def test_a_batch_process_computes_the_batch_this_process_would(tmp_path: Path) -> None:
     """The batch process's sampler (made as the search's was) reads the study from its storage
     and proposes what a sampler made the same way proposes here; the prefetched batch comes from

@@ -916,7 +916,7 @@ def run_parts(
         for ev in evaluators:
             narrow_evaluator(ev, searches[0].space)
     lanes = _Lanes(evaluators, narrow=narrow_evaluator if len(searches) > 1 else None)
-    proposers = [_Proposer(s.study.sampler, s.study, len(evaluators)) for s in searches]
+    proposers = [_Proposer(s.study.sampler, s.study, len(evaluators), s.name) for s in searches]
     table = getattr(evaluators[0], "best_case_us", None)  # the lanes' one racing table (GPU evaluators)
     racing = [RacingBests(s.study, table) for s in searches] if isinstance(table, dict) else []
     for bests in racing:
@@ -1002,11 +1002,12 @@ class _Proposer:
     several devices with the study in an RDB storage, in a process of its own
     (``SpaceSampler.use_process``)."""
 
-    def __init__(self, sampler: Any, study: optuna.Study, devices: int) -> None:
+    def __init__(self, sampler: Any, study: optuna.Study, devices: int, identity: str = "") -> None:
         self.sampler, self.study, self.devices = sampler, study, max(1, devices)
         self.enabled = callable(getattr(sampler, "prefetch", None))
         if self.enabled:
             sampler.batch_size = self.devices
+            sampler.identity = identity  # another search on the study, of the same seed, draws other batches
         rdb = internals.rdb_backend(study)
         if self.enabled and self.devices > 1 and rdb is not None and hasattr(sampler, "use_process"):
             sampler.use_process(rdb.url, study.study_name)  # off this process's interpreter lock

@@ -352,6 +352,10 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         self._reading = threading.Lock()  # the history reader is not re-entrant
         self._background: threading.Thread | None = None
         self._background_runs = 0
+        self.identity = ""
+        """Tells this search's background batches from those of another search on the study with
+        the same seed (the search loop sets its run's name): else both propose the same batches,
+        and one loses every claim."""
         self.recipe: tuple[type, Space, int | None, dict] | None = None
         """How ``make_sampler`` made this sampler (a batch process makes its own from it)."""
         self._remote: Any = None  # a BatchProcess computing the background batches, if any
@@ -435,7 +439,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
         if len(self._queue) > k // 2 or (self._background is not None and self._background.is_alive()):
             return
         self._background_runs += 1
-        label = f"{self._base_seed}:background:{self._background_runs}"
+        label = f"{self._base_seed}:{self.identity + ':' if self.identity else ''}background:{self._background_runs}"
         self._background = threading.Thread(target=self._fill, args=(study, k, label),
                                             name="evoengineer-proposals", daemon=True)
         self._background.start()
