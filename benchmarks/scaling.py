@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from evoengineer.search.cpus import compile_cpus  # noqa: E402
+from evoengineer.search.cpus import compile_plan  # noqa: E402
 
 
 def _gpus_present() -> int:
@@ -87,7 +87,7 @@ class Clocks:
 
     def __init__(self, gpus: int) -> None:
         self.gpus, self.proc = gpus, None
-        if shutil.which("nvidia-smi"):
+        if gpus and shutil.which("nvidia-smi"):
             self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,clocks.sm,temperature.gpu,power.draw",
                                           "--format=csv,noheader,nounits", "-lms", "500"],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -152,10 +152,8 @@ def main() -> None:
             study = f"scaling-{n}-{os.getpid()}-{int(time.time())}"
             started = time.perf_counter()
             clocks = Clocks(0 if args.replay else n)
-            # the searches share the CPUs for compiles that one search of all n GPUs would have
-            cpus = compile_cpus(range(n))
-            free = len(cpus) if cpus != os.sched_getaffinity(0) else len(cpus) - 1
-            jobs = ["--jobs", str(max(1, free // len(groups)))] if not args.replay else []
+            # the searches share the compile processes one search of all n GPUs would have
+            jobs = ["--jobs", str(max(1, compile_plan(range(n))[1] // len(groups)))] if not args.replay else []
             procs = [_search(args, r, ["--devices", group, "--storage", storage, "--study", study, "--quiet", *jobs],
                              root / f"cache-process-{n}") for r, group in zip(runs, groups)]
             rows.append({**_finish(procs, runs, started, f"{len(groups)}x{per}", n), **clocks.stop()})

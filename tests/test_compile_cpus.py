@@ -8,7 +8,7 @@ import multiprocessing
 
 import pytest
 
-from evoengineer.search.cpus import compile_cpus, parse_cpu_list, physical_cores
+from evoengineer.search.cpus import compile_cpus, compile_plan, parse_cpu_list, physical_cores
 from evoengineer.search.loop import _compile_process_init
 
 
@@ -68,3 +68,10 @@ def test_a_compile_process_runs_on_its_cpus_only() -> None:
         assert pool.submit(_affinity).result(timeout=60) == sorted(one)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_compile_process_init) as pool:
         assert pool.submit(_affinity).result(timeout=60) == mine  # none given: every CPU this process has
+
+
+def test_the_pool_takes_one_process_a_cpu_left_or_all_but_one_where_none_is_kept() -> None:
+    host = range(1000, 1064)  # no such CPUs in sysfs: one thread a core
+    cpus, workers = compile_plan([0, 1, 2, 3], host)
+    assert cpus == set(range(1005, 1064)) and workers == 59
+    assert compile_plan([0], range(1000, 1002)) == (None, 1)

@@ -68,6 +68,14 @@ def compile_cpus(devices: Sequence[int], cpus: Iterable[int] | None = None,
     return allowed - {cpu for core in kept_cores(devices, allowed, siblings) for cpu in core}
 
 
+def compile_plan(devices: Sequence[int], cpus: Iterable[int] | None = None) -> tuple[set[int] | None, int]:
+    """Where a search's compile processes run and how many by default: (``compile_cpus``, one per
+    CPU there) where cores are kept, else (None: anywhere, one per CPU but one)."""
+    allowed = set(os.sched_getaffinity(0) if cpus is None else cpus)
+    mine = compile_cpus(devices, allowed)
+    return (mine, len(mine)) if mine != allowed else (None, max(1, len(allowed) - 1))
+
+
 def restrict_to(cpus: set[int] | None) -> None:
     """This process onto ``cpus`` (nothing where None or not permitted)."""
     if cpus:

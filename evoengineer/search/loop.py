@@ -31,7 +31,7 @@ from ..gpu import STATUSES, EvalResult
 from ..kernels import StaticReport, build_config_job
 from ..space import Config, Space, path_component
 from . import optuna_internals as internals
-from .cpus import compile_cpus, restrict_to
+from .cpus import compile_plan, restrict_to
 from .ledger import Ledger
 from .partition import narrow_evaluator
 from .strategies import make_sampler, suggest_config
@@ -1043,15 +1043,13 @@ it hand over the next job."""
 def compile_pool(workers: int | None = None, devices: Sequence[int] = ()) -> ProcessPoolExecutor:
     """The search's compile processes, started now and warmed (their imports done, NVRTC loaded)
     while the GPU workers start and SDPA is timed, so that no partition's first candidates wait
-    for a process to start. They run on ``cpus.compile_cpus(devices)`` (the host's CPUs but
+    for a process to start. They run on ``cpus.compile_plan(devices)`` (the host's CPUs but
     cores kept for the GPU workers and the search), ``workers`` of them (default: one per
     CPU there, or one per CPU but one where none is kept). The caller shuts it down."""
-    allowed = os.sched_getaffinity(0)
-    cpus = compile_cpus(devices, allowed)
-    keeping = cpus != allowed
-    workers = workers or (len(cpus) if keeping else max(1, len(allowed) - 1))
+    cpus, default = compile_plan(devices)
+    workers = workers or default
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_compile_process_init, initargs=(cpus if keeping else None,))
+                               initializer=_compile_process_init, initargs=(cpus,))
     for _ in range(workers):
         pool.submit(_warm_compile_process)
     return pool
