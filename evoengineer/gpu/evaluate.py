@@ -349,7 +349,8 @@ def time_launcher(launcher: Callable[..., Any], case: Case, scale: float | None,
     torch.cuda.synchronize()
     if expected is not None:
         reason, _, _ = check_output(sets[0][3], expected, *tolerance)
-        unwritten = next((i for i, s in enumerate(sets) if not bool(torch.isfinite(s[3]).all())), None)
+        written = torch.stack([torch.isfinite(s[3]).all() for s in sets]).tolist()  # one synchronisation for every set
+        unwritten = next((i for i, ok in enumerate(written) if not ok), None)
         if not reason and unwritten is not None:
             reason = f"output of input set {unwritten} not finite or never written"
         if reason:

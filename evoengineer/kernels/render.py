@@ -40,7 +40,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import jinja2
@@ -144,17 +144,19 @@ class Rendered:
     workspace_floats_per_split: int = 0
     """Floats per row and K/V split of a kernel whose split count is chosen per call (above 1)."""
 
-    @property
+    @cached_property
     def arguments(self) -> list[tuple[str, str]]:
         """(name, kind) of every kernel parameter: ``KERNEL_ARGS``, the arguments of its features
         (``FEATURE_ARGS``, in the order of ``runtime.features.SWITCHES``), the split count of a
-        kernel that chooses it per call (``SPLIT_ARGS``), then one ``tmap`` per tensor map."""
+        kernel that chooses it per call (``SPLIT_ARGS``), then one ``tmap`` per tensor map.
+        Read once (a launcher reads it per launch)."""
         return (parameter_kinds(KERNEL_ARGS) + [a for name in self.features for a in FEATURE_ARGS[name]]
                 + (SPLIT_ARGS if self.auto_split else []) + [(m.arg, "tmap") for m in self.tensor_maps])
 
-    @property
+    @cached_property
     def features(self) -> tuple[str, ...]:
-        """The compile-time features its ``// FEATURES`` line declares that add arguments (sorted)."""
+        """The compile-time features its ``// FEATURES`` line declares that add arguments (sorted).
+        Read once (a launcher reads it per launch)."""
         declared = {word for line in self.source.splitlines() if line.startswith("// FEATURES ")
                     for word in line.split()[2:]}
         return tuple(sorted(declared & set(FEATURE_ARGS)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
@@ -30,8 +31,8 @@ def pack_arguments(arguments: Sequence[tuple[str, str]], values: Mapping[str, in
     """Pack ``values`` by name for ``arguments`` ((name, kind), kind one of ``ptr``, ``i32``,
     ``i64``, ``f32``, ``tmap``); a ``tmap`` argument points at the address ``maps`` gives it.
     KeyError names a missing value."""
-    fields = [(name, CTYPES[kind]) for name, kind in arguments if kind != "tmap"]
-    struct = type("KernelArguments", (ctypes.Structure,), {"_fields_": fields})()
+    fields = tuple((name, kind) for name, kind in arguments if kind != "tmap")
+    struct = _structure(fields)()
     for name, _ in fields:
         if name not in values:
             raise KeyError(f"no value for kernel argument {name!r}")
@@ -40,6 +41,12 @@ def pack_arguments(arguments: Sequence[tuple[str, str]], values: Mapping[str, in
     pointers = [maps[name] if kind == "tmap" else base + getattr(type(struct), name).offset for name, kind in arguments]
     params = (ctypes.c_void_p * len(arguments))(*pointers)
     return PackedArguments(struct, params, dict(maps))
+
+
+@lru_cache(maxsize=256)
+def _structure(fields: tuple[tuple[str, str], ...]) -> type:
+    """The ctypes structure of these (name, kind) fields (one class per argument list, not per call)."""
+    return type("KernelArguments", (ctypes.Structure,), {"_fields_": [(name, CTYPES[kind]) for name, kind in fields]})
 
 
 def scalar_values(batch: int, heads: int, heads_kv: int, seq_q: int, seq_k: int, q_strides: Sequence[int],
