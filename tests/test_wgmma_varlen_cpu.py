@@ -13,6 +13,7 @@ from run_fixtures import MMA, SMALL, SMALL_C, WMMA, load_module, make_run, space
 
 from evoengineer.kernels import RenderError, build_config, render
 from evoengineer.kernels.render import FEATURE_ARGS
+from evoengineer.paths import wgmma as wgmma_rules
 from evoengineer.resources import builtin_spaces
 from evoengineer.results import export_runs
 from evoengineer.runtime import features as F
@@ -66,6 +67,9 @@ def test_o_tma_configurations_render_with_varlen_storing_o_from_registers(config
     assert [m.arg for m in packed.tensor_maps] == ["tm_q", "tm_k", "tm_v"]
     assert "static constexpr bool O_TMA = false;" in packed.source and "tm_o" not in packed.source
     assert _launch(packed)["smem"] == _launch(plain)["smem"] - 2 * 128 * 128
+    # the figure the template declares is the path rule's, which counts the O tile only without VARLEN
+    assert _launch(packed)["smem"] == wgmma_rules.smem_bytes(wgmma_rules.PATH.scope(config, {"VARLEN": 1}), 128)
+    assert _launch(plain)["smem"] == wgmma_rules.smem_bytes(wgmma_rules.PATH.scope(config), 128)
     assert _launch(packed)["persistent"] is True
 
 

@@ -32,7 +32,8 @@ A backward's dK/dV kernel takes its maps after the backward's argument list (``/
 Templates see the configuration's parameters plus ``HEAD_DIM``, ``CAUSAL`` and ``DTYPE``
 (``'fp16'`` or ``'bf16'``: the element type of Q, K, V and O, a compile-time choice) and, for a
 path of ``evoengineer.paths``, what its rules derive: ``PATH_SMEM_BYTES`` (the main kernel's
-dynamic shared memory at HEAD_DIM), ``PATH_THREADS`` and ``PATH_ROWS_PER_CTA``.
+dynamic shared memory at HEAD_DIM), ``PATH_THREADS``, ``PATH_ROWS_PER_CTA`` and the path's own
+``template_values`` (``PATH_<NAME>``), so that a template restates none of its path's formulas.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -228,7 +230,7 @@ def render(template: str, config: Config, variant: Variant, directory: str | Pat
     except jinja2.TemplateNotFound as exc:
         raise RenderError(f"no template {template!r} in {where} (have: {', '.join(template_names(where))})") from exc
     dtype = "" if variant.dtype == "fp16" else f" DTYPE={variant.dtype}"
-    switches = {name.upper(): 1 for name in getattr(variant, "features", ())}
+    switches = feature_switches(variant)
     dtype += "".join(f" {name}=1" for name in switches)
     header = f"// evoengineer: template={template} {config.label()} HEAD_DIM={variant.head_dim} CAUSAL={int(variant.causal)}{dtype}\n"
     try:
@@ -248,20 +250,28 @@ def render(template: str, config: Config, variant: Variant, directory: str | Pat
     return from_source(template, config, variant, header + body)
 
 
-def derived(config: Config, variant: Variant, template: str = paths.FORWARD_TEMPLATE) -> dict[str, int | tuple[str, ...]]:
-    """What the configuration's path derives from it at the variant's head dim (``PATH_SMEM_BYTES``,
-    ``PATH_THREADS``, ``PATH_ROWS_PER_CTA``) and the features it holds (``PATH_FEATURES``); empty
+def derived(config: Config, variant: Variant, template: str = paths.FORWARD_TEMPLATE) -> dict[str, Any]:
+    """What the configuration's path derives from it at the variant's head dim and features
+    (``PATH_SMEM_BYTES``, ``PATH_THREADS``, ``PATH_ROWS_PER_CTA``, the path's ``template_values``) and
+    the features it holds (``PATH_FEATURES``); empty
     for another PATH, only the features for a configuration the path's formulas cannot take (the
     template then rejects it by its own checks)."""
     rules = paths.of_template(template).get(str(config.get("PATH")))
     if rules is None:
         return {}
-    scope = rules.scope(config)
+    scope = rules.scope(config, feature_switches(variant))
     try:
+        extra = rules.template_values(scope, variant.head_dim) if rules.template_values else {}
         return {"PATH_SMEM_BYTES": rules.smem_bytes(scope, variant.head_dim), "PATH_THREADS": rules.threads(scope),
-                "PATH_ROWS_PER_CTA": rules.rows_per_cta(scope), "PATH_FEATURES": rules.features}
+                "PATH_ROWS_PER_CTA": rules.rows_per_cta(scope), "PATH_FEATURES": rules.features,
+                **{f"PATH_{name}": value for name, value in extra.items()}}
     except (KeyError, TypeError, ArithmeticError):
         return {"PATH_FEATURES": rules.features}
+
+
+def feature_switches(variant: Variant) -> dict[str, int]:
+    """The template's switch of each compile-time feature of ``variant`` (``VARLEN=1``, ...)."""
+    return {name.upper(): 1 for name in getattr(variant, "features", ())}
 
 
 def from_source(template: str, config: Config, variant: Variant, source: str) -> Rendered:

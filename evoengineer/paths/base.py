@@ -59,6 +59,10 @@ class KernelPath:
     label: Callable[[dict[str, Any]], None] | None = None
     """Rewrites a configuration's values, in place, into the path's short-label tokens (pops what
     it folds into ``PATH``'s word or another token); None: the generic label."""
+    template_values: Callable[[Scope, int], Mapping[str, Any]] | None = None
+    """Further figures of the path's rules at a head dim that its template reads, each as
+    ``PATH_<NAME>`` (beside ``PATH_SMEM_BYTES``, ``PATH_THREADS``, ``PATH_ROWS_PER_CTA``), so that the
+    template restates no formula of this module."""
 
     def uses(self, name: str) -> bool:
         return name == "PATH" or name in self.params

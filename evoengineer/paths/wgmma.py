@@ -70,12 +70,26 @@ def barriers(c: Scope) -> bool:
     return bool(c["PRODUCER"] or c["LOAD"] == "tma")
 
 
+def o_tma(c: Scope) -> bool:
+    """O leaves through shared memory and a TMA store: ``O_TMA``, except for packed sequences
+    (``VARLEN``, where a kernel stores O from registers)."""
+    return bool(c["O_TMA"]) and not c.get("VARLEN", 0)
+
+
 def smem_bytes(c: Scope, head_dim: int) -> int:
     """1 KB for the 1024-byte alignment of the swizzled tiles, the Q tile (and with O_TMA the O
     tile), STAGES K and V tiles, and 256 bytes of mbarriers where stages are tracked."""
     head_dim = panel_head_dim(head_dim)
-    return (1024 + 2 * head_dim * c["BLOCK_M"] * (1 + c["O_TMA"]) + 4 * head_dim * c["BLOCK_N"] * c["STAGES"]
+    return (1024 + 2 * head_dim * c["BLOCK_M"] * (1 + o_tma(c)) + 4 * head_dim * c["BLOCK_N"] * c["STAGES"]
             + (256 if barriers(c) else 0))
+
+
+def template_values(c: Scope, head_dim: int) -> dict[str, Any]:
+    """What the template reads of these rules besides shared memory, threads and rows: the head dim
+    it computes with, the registers a thread gets at launch (what setmaxnreg moves between the
+    warpgroups) and whether O leaves by a TMA store."""
+    return {"PANEL_HEAD_DIM": panel_head_dim(head_dim), "ENTRY_REGISTERS": entry_registers(threads(c) // 128),
+            "O_TMA": int(o_tma(c))}
 
 
 def _setmaxnreg_ok(c: Scope) -> bool:
@@ -176,4 +190,4 @@ def overlap_token(values: dict[str, Any]) -> str:
 
 PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=threads, rows_per_cta=lambda c: 64 * c["CONSUMER_WGS"],
                   defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS,
-                  features=FEATURES)
+                  features=FEATURES, template_values=template_values)

@@ -130,6 +130,12 @@ def smem_bytes(c: Scope, head_dim: int) -> int:
     return max(kernel_smem(c, head_dim).values())
 
 
+def template_values(c: Scope, head_dim: int) -> dict[str, Any]:
+    """What the template reads of these rules besides shared memory, threads and rows: the setmaxnreg
+    values and FlashAttention-3's GEMM order."""
+    return {"REGISTERS": registers(c), "OVERLAP_GEMMS": overlap_gemms(c, head_dim)}
+
+
 RULES = (
     head_dims_rule(NAME, HEAD_DIMS),
     rule(NAME, "arch", "wgmma exists only on sm_90a", "", lambda c: c.get("ARCH_NAME", ARCH) == ARCH),
@@ -165,4 +171,4 @@ def label(values: dict[str, Any]) -> None:
 
 
 PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=threads, rows_per_cta=lambda c: c["BLOCK_N"],
-                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS)
+                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS, template_values=template_values)
