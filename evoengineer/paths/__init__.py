@@ -5,8 +5,9 @@ A path is a value of the ``PATH`` parameter and one include of a template: the f
 ``flash_attention`` (``scalar``, ``wmma``, ``mma``, ``wgmma``) or the backward's
 ``flash_attention_bwd`` (``mma``, ``wgmma``). The space applies a path's rules to every
 configuration of it (a space file restates none of them) and lets constraints call its budgets
-(``smem_bytes()``, ``threads()``); the renderer hands the budgets to the template; the tests
-compare the template's launches with them.
+(``smem_bytes()``, ``threads()``); the renderer hands the budgets, and whatever else of the
+rules a template reads (a path's ``template_values``), to the template as ``PATH_<NAME>``, so
+that no template restates a formula; the tests compare the template's launches with them.
 
 It imports no other stage but the runtime (the mma path's split rule is written there, for exports).
 """
