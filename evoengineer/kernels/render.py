@@ -252,10 +252,9 @@ def render(template: str, config: Config, variant: Variant, directory: str | Pat
 
 def derived(config: Config, variant: Variant, template: str = paths.FORWARD_TEMPLATE) -> dict[str, Any]:
     """What the configuration's path derives from it at the variant's head dim and features
-    (``PATH_SMEM_BYTES``, ``PATH_THREADS``, ``PATH_ROWS_PER_CTA``, the path's ``template_values``) and
-    the features it holds (``PATH_FEATURES``); empty
-    for another PATH, only the features for a configuration the path's formulas cannot take (the
-    template then rejects it by its own checks)."""
+    (``PATH_SMEM_BYTES``, ``PATH_THREADS``, ``PATH_ROWS_PER_CTA``, the path's ``template_values``)
+    and the features it holds (``PATH_FEATURES``); empty for another PATH, only the features for a
+    configuration the path's formulas cannot take (the template then rejects it by its own checks)."""
     rules = paths.of_template(template).get(str(config.get("PATH")))
     if rules is None:
         return {}
