@@ -25,16 +25,33 @@ FEATURES = ("seqlens", "softcap", "varlen", "window")
 """The compile-time features the template holds (SEQLENS, SOFTCAP, VARLEN, WINDOW)."""
 
 
+def row_halves(c: Scope, head_dim: int) -> int:
+    """The shared-memory row stride of the Q, K, V and O tiles, in 16-bit elements (padded by 8
+    with ``SMEM_LAYOUT: pad``)."""
+    return head_dim + (8 if c["SMEM_LAYOUT"] == "pad" else 0)
+
+
+def p_row_halves(c: Scope) -> int:
+    """The shared-memory row stride of a P tile, in 16-bit elements."""
+    return c["BLOCK_N"] + 8
+
+
 def smem_bytes(c: Scope, head_dim: int) -> int:
     """The Q tile, STAGES K and V tiles per K/V group (or, if larger, the groups' fp32 merge area)
     and, unless P stays in registers, each group's P tile."""
     bm, bn = c["BLOCK_M"], c["BLOCK_N"]
     groups, stages = c["KV_GROUPS"], c["STAGES"]
-    row = head_dim + (8 if c["SMEM_LAYOUT"] == "pad" else 0)
+    row = row_halves(c, head_dim)
     kv = 4 * row * groups * stages * bn
     merge = 8 * (groups - 1) * bm * (head_dim // 2 + 4)
-    p_tiles = 0 if c["P_IN_REGS"] else 2 * groups * bm * (bn + 8)
+    p_tiles = 0 if c["P_IN_REGS"] else 2 * groups * bm * p_row_halves(c)
     return 2 * row * bm + max(kv, merge) + p_tiles
+
+
+def template_values(c: Scope, head_dim: int) -> dict[str, Any]:
+    """What the template reads of these rules besides shared memory, threads and rows: its tiles'
+    row strides."""
+    return {"ROW": row_halves(c, head_dim), "P_ROW": p_row_halves(c)}
 
 
 RULES = (
@@ -70,7 +87,7 @@ def label(values: dict[str, Any]) -> None:
 
 
 PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=lambda c: 32 * c["WARPS"], rows_per_cta=lambda c: c["BLOCK_M"],
-                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS, features=FEATURES)
+                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS, features=FEATURES, template_values=template_values)
 
 __all__ = ["AUTO_SPLITS", "DEFAULTS", "FEATURES", "HEAD_DIMS", "MAX_SPLITS", "NAME", "PARAMS", "PATH", "RULES", "decode_splits",
            "label", "smem_bytes"]
