@@ -642,7 +642,7 @@ class _Search:
                      if t.user_attrs.get("status") in STATUSES}
         self._first_seen: dict[int, float] = {}
         self._dead_since: dict[int, float] = {}
-        self._checked_stale = 0.0
+        self.checked_stale = 0.0  # when dead searches' trials were last looked for
         self._probed = time.monotonic()
         self._repeats = 0
         self._maybe_queued = True
@@ -799,9 +799,9 @@ class _Search:
     def check_stale(self, force: bool = False) -> None:
         """Re-queue dead searches' trials (at most once per heartbeat interval)."""
         interval = self.heartbeat.interval
-        if interval is None or (not force and time.monotonic() - self._checked_stale < interval):
+        if interval is None or (not force and time.monotonic() - self.checked_stale < interval):
             return
-        self._checked_stale = time.monotonic()
+        self.checked_stale = time.monotonic()
         requeue_stale(self.study, self.ledger, self.name)
         self._maybe_queued = self._maybe_queued or self.queued()
 
@@ -962,9 +962,9 @@ def run_parts(
                     waiting.append(search)  # for other searches' last trials on its study
             if not any(s.in_flight for s in searches):
                 if waiting:
-                    time.sleep(min(1.0, min(s.heartbeat.interval or 1.0 for s in waiting)))
+                    time.sleep(OTHERS_POLL_S)  # the others' last trials end within an evaluation or so
                     for search in waiting:
-                        search.check_stale(force=True)
+                        search.check_stale(force=time.monotonic() - search.checked_stale >= STALE_POLL_S)
                 continue
             try:
                 candidate, result, report = lanes.done.get(timeout=0.5)
@@ -1034,6 +1034,11 @@ its GPU idle."""
 QUEUE_PROBE_S = 0.5
 """While every budget slot is taken, how often the loop looks for a queued trial (a retry of
 another search's dead trial): a look is a query, and the loop goes round once per result."""
+OTHERS_POLL_S = 0.05
+"""When a search's own trials are done and others on its study still run theirs, how often it
+looks whether they have ended (two small queries): it ends within this of the last one."""
+STALE_POLL_S = 1.0
+"""Meanwhile, how often it looks for their dead trials to re-queue (a larger query)."""
 SWITCH_INTERVAL_S = 0.0005
 """The interpreter's thread switch interval during a search (Python's default is 5 ms): a
 lane thread whose worker has answered waits at most this long for the search thread to let
