@@ -11,6 +11,8 @@ SQLite file and the host's cores, ``--jobs`` each: several hosts as one host sim
 each with a fresh run directory and compile cache. The search loop's own time (run.json's summary) gives evaluations per
 minute; the process time (workers' start, SDPA baseline) is shown besides. Duplicates are
 configurations recorded more than once in one partition; the split is the evaluations per GPU.
+Several searches of one row: the longest of their loops counts, and ``skew`` says how far apart
+their loops began.
 """
 from __future__ import annotations
 
@@ -69,13 +71,15 @@ def _finish(procs: list[subprocess.Popen], runs: list[Path], started: float, mod
             split[device if len(summaries) == 1 else f"{i}.{device}"] += n
     evaluated = sum(s["evaluated"] for s in summaries)
     loop_s = max(s["elapsed_s"] for s in summaries)
+    starts = [s["started_unix"] for s in summaries if "started_unix" in s]
+    skew = round(max(starts) - min(starts), 1) if len(starts) > 1 else 0.0  # the searches' loops began this far apart
     busy = [s.get("gpu_busy_share") for s in summaries if s.get("gpu_busy_share") is not None]
     phases: Counter[str] = Counter()
     for s in summaries:
         for name, row in s.get("phases", {}).items():
             phases[name] += row["total_s"]
     return {"mode": mode, "gpus": gpus, "evaluations": evaluated, "loop_s": loop_s, "process_s": round(wall, 1),
-            "evaluations_per_minute": round(60 * evaluated / loop_s, 1) if loop_s else None,
+            "evaluations_per_minute": round(60 * evaluated / loop_s, 1) if loop_s else None, "skew_s": skew,
             "duplicates": len(keys) - len(set(keys)), "split": dict(sorted(split.items())),
             "gpu_busy_share": round(sum(busy) / len(busy), 3) if busy else None,
             "phases_ms_per_evaluation": {k: round(1000 * v / evaluated, 1) for k, v in phases.items()} if evaluated else {}}
@@ -166,12 +170,13 @@ def main() -> None:
     print(f"space {args.space}, budget {args.trials}, strategy {args.strategy}"
           + (f", replay ({args.replay_delay:g} s per evaluation)" if args.replay else "") + f"; runs in {root}")
     print(f"{'mode':<10}{'GPUs':>5}{'evals':>7}{'loop s':>8}{'proc s':>8}{'evals/min':>10}{'speed-up':>9}{'dups':>5}"
-          f"{'busy':>6}  split")
+          f"{'busy':>6}{'skew':>6}  split")
     for r in rows:
         split = " ".join(f"{d}:{k}" for d, k in r["split"].items())
         busy = f"{100 * r['gpu_busy_share']:.0f}%" if r["gpu_busy_share"] is not None else "-"
         print(f"{r['mode']:<10}{r['gpus']:>5}{r['evaluations']:>7}{r['loop_s']:>8.1f}{r['process_s']:>8.1f}"
-              f"{r['evaluations_per_minute']:>10.1f}{(r['speedup'] or 0):>8.2f}x{r['duplicates']:>5}{busy:>6}  {split}")
+              f"{r['evaluations_per_minute']:>10.1f}{(r['speedup'] or 0):>8.2f}x{r['duplicates']:>5}{busy:>6}"
+              f"{r['skew_s']:>6.1f}  {split}")
     print("where an evaluation's time went (ms per evaluation, summed over the GPUs):")
     for r in rows:
         phases = " ".join(f"{name} {ms:g}" for name, ms in r["phases_ms_per_evaluation"].items() if ms >= 0.5)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from evoengineer.kernels import build_config
-from evoengineer.search.loop import _Build, _Candidate, _Ready, build_ahead, compile_pool
+from evoengineer.search.loop import AheadBuilds, _Build, _Candidate, _Ready, build_ahead, compile_pool
 from evoengineer.search.strategies import SAMPLERS
 from evoengineer.space import load_space
 
@@ -88,3 +88,29 @@ def test_built_ahead_the_searchs_own_build_is_a_cache_hit(tmp_path: Path, monkey
     assert [b.variant for b in again.builds] == list(space.variants)
     assert all(b.ok and b.compiled.cached for b in again.builds)
 
+
+
+def test_an_ask_reuses_a_build_under_way_and_the_loops_start_cancels_those_not_begun(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EVOENGINEER_CACHE_DIR", str(tmp_path / "cache"))
+    space = load_space("l4")
+    configs = list(dict.fromkeys(space.search.seeds))[:6]
+    arch = space.target.arch
+    ahead = AheadBuilds()
+    pool = compile_pool(1)
+    try:
+        opening = build_ahead(pool, space, configs, arch, ahead, keep=True)
+        assert len(opening) == len(configs) * len(space.variants)
+        first = opening[0]
+        first.result(timeout=300)  # one process: the rest wait behind it
+        cancelled = ahead.start()
+        assert cancelled >= len(opening) - 4  # the pool hands a few more to its process's queue
+        assert sum(f.cancelled() for f in opening) == cancelled
+        asked = build_ahead(pool, space, configs[:1], arch, ahead)
+        assert asked[0] is first  # built ahead: reused, not compiled again
+        last = build_ahead(pool, space, configs[-1:], arch, ahead)
+        assert all(f not in opening for f in last)  # cancelled ahead: submitted anew, in the ask's order
+        assert all(b.ok for f in last for b in f.result(timeout=300).builds)
+        assert build_ahead(pool, space, configs[:1], arch, ahead)[0] is not first  # each build is taken once
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -35,8 +35,9 @@ from ..search import (
     run_parts,
     study_problem,
 )
-from ..search.loop import build_ahead, compile_pool, writing
+from ..search.loop import AheadBuilds, build_ahead, compile_pool, writing
 from ..search.strategies import SAMPLERS
+from ..search.strategies.remote import close_started, start_ahead
 from ..search.partition import DEFAULT_PARTITION, PARTITION_BY, Partition, narrow_evaluator, plan
 from ..search.optuna_internals import unsupported_reason
 from ..space import STRATEGIES, Space
@@ -215,6 +216,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     # -- the evaluators: one per device ---------------------------------------------------
     evaluators: list[Any]
     pool = None  # the compile processes (a GPU search), one pool for every partition
+    ahead = AheadBuilds()  # the builds submitted to it before the search asks for them
     if replay is not None:
         mismatch = replay.mismatch(space)
         if mismatch:
@@ -251,7 +253,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         if pool is not None:  # the strategy's first proposals compile while SDPA is timed
             opening = SAMPLERS[strategy].opening
             for part in partitions:
-                build_ahead(pool, part.space, opening(part.space), arch)
+                build_ahead(pool, part.space, opening(part.space), arch, ahead, keep=True)
         if not args.resume:
             run, created = _new_run(args, space)
             recorded_storage = _recorded_storage(args.storage) if args.storage else DEFAULT_STORAGE
@@ -261,6 +263,10 @@ def cmd_search(args: argparse.Namespace) -> int:
                     "run_name": run.name, "trials": trials, "time_s": time_s, "top_k": top_k,
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replay": str(replay.path) if replay else None,
                     "shapes": args.shape or None, "added_shapes": args.add_shape or None, "partition": partition_by}
+        if len(devices) > 1:  # each partition's strategy computes its batches in a process: started now, beside the GPUs'
+            for part in partitions:
+                start_ahead((SAMPLERS[strategy], part.space, seed, {}), storage, part.study_name(meta["study_name"]),
+                            len(devices))
         if replay is None:
             if args.resume and (run.path / "baseline.json").exists():
                 baseline = json.loads((run.path / "baseline.json").read_text())
@@ -296,7 +302,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                          disable=args.quiet or args.json) as progress:
         run_parts([SearchPart(part.space, study, part.trials, part.name) for part, study in zip(partitions, studies)],
                   evaluators, run, arch=arch, time_s=time_s, on_result=progress.on_result, build=not args.replay,
-                  stats=stats, pool=pool, compile_workers=args.jobs)
+                  stats=stats, pool=pool, compile_workers=args.jobs, ahead=ahead)
 
     if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -481,6 +487,7 @@ def _start_gpus(space: Space, devices: list[int], seed: int | None, console: Con
 
 
 def _close(evaluators: list[Any], pool: Any = None) -> None:
+    close_started()
     for ev in evaluators:
         if hasattr(ev, "close"):
             ev.close()

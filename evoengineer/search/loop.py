@@ -271,6 +271,7 @@ time times devices), the others' of the wall time."""
 @dataclass
 class SearchStats:
     started: float = field(default_factory=time.perf_counter)
+    started_unix: float = field(default_factory=time.time)  # the same instant on the host's clock (searches compared)
     evaluated: int = 0
     gpu_busy_s: float = 0.0
     counts: dict[str, int] = field(default_factory=lambda: {s: 0 for s in STATUSES})
@@ -314,6 +315,7 @@ class SearchStats:
         return {
             "evaluated": self.evaluated,
             "elapsed_s": round(wall, 1),
+            "started_unix": round(self.started_unix, 3),
             "evaluations_per_minute": round(self.evaluated / (wall / 60), 2) if wall else None,
             "devices": self.devices,
             "per_device": dict(sorted(self.per_device.items())),
@@ -631,6 +633,7 @@ class _Search:
         self.space, self.run, self.study, self.budget = space, run, study, budget
         self.partition = partition  # the search partition whose records this writes (their tag)
         self.build, self.arch = build, arch
+        self.ahead: AheadBuilds | None = None  # builds submitted before the loop, for its asks to reuse
         self.ledger = Ledger(study)
         self.heartbeat = Heartbeat(study)
         self.name = run.name
@@ -727,7 +730,7 @@ class _Search:
         self.seen.add(config.key())
         future = None
         if self.build and pool is not None:
-            future = _Build(config, self.arch, tuple(build_ahead(pool, self.space, [config], self.arch)))
+            future = _Build(config, self.arch, tuple(build_ahead(pool, self.space, [config], self.arch, self.ahead)))
         candidate = _Candidate(trial, config, future, slot, time.perf_counter() - started, self)
         self.in_flight[trial_id] = candidate
         return candidate
@@ -871,6 +874,7 @@ def run_parts(
     build: bool = True,
     stats: SearchStats | None = None,
     pool: ProcessPoolExecutor | None = None,
+    ahead: AheadBuilds | None = None,
 ) -> SearchStats:
     """Evaluate until each part's ``trials`` evaluations are recorded in its study (or time
     runs out).
@@ -888,7 +892,8 @@ def run_parts(
     compiles. Each part keeps its own strategy, study and budget; its name tags its records.
     ``on_result(result, stats, part name)`` follows each recorded evaluation; ``stats``: a
     search's statistics to add to, its clock going on; ``pool``: the compile processes to use
-    (``compile_pool``, started before the search; left running), else the loop starts its own.
+    (``compile_pool``, started before the search; left running), else the loop starts its own;
+    ``ahead``: builds submitted to ``pool`` before the search (``AheadBuilds``).
     """
     evaluators = list(evaluator) if isinstance(evaluator, (list, tuple)) else [evaluator]
     workers = compile_workers or max(1, (os.cpu_count() or 2) - 1)
@@ -900,6 +905,9 @@ def run_parts(
         valid = getattr(part.study.sampler, "valid", None)  # a SpaceSampler enumerates the space once, before the clock starts
         budget = min(part.trials, len(valid) if valid is not None else part.space.valid_size())
         searches.append(_Search(part.space, run, part.study, budget, build, arch, part.name))
+        searches[-1].ahead = ahead
+    if ahead is not None:
+        ahead.start()
     if stats is None:
         stats = SearchStats(devices=len(evaluators))
     began = stats.elapsed_s
@@ -1060,12 +1068,54 @@ def compile_pool(workers: int | None = None, devices: Sequence[int] = ()) -> Pro
     return pool
 
 
-def build_ahead(pool: ProcessPoolExecutor, space: Space, configs: Sequence[Config], arch: str) -> list[Future]:
+class AheadBuilds:
+    """Builds submitted before the search asks for them (a strategy's opening, while the GPU
+    workers start and SDPA is timed): an ask reuses a build under way instead of compiling the
+    configuration again, and when the loop starts the builds not yet begun are cancelled
+    (``start``), so that the candidates compile in the order they are asked and none waits
+    behind an opening configuration another search on the study has taken."""
+
+    def __init__(self) -> None:
+        self._futures: dict[tuple, Future] = {}
+        self._lock = threading.Lock()
+
+    def put(self, key: tuple, future: Future) -> None:
+        with self._lock:
+            self._futures[key] = future
+
+    def take(self, key: tuple) -> Future | None:
+        """The build of ``key`` submitted ahead, unless it was cancelled (each is taken once)."""
+        with self._lock:
+            future = self._futures.pop(key, None)
+        return None if future is None or future.cancelled() else future
+
+    def start(self) -> int:
+        """Cancel the builds not begun; the number cancelled."""
+        with self._lock:
+            cancelled = [key for key, future in self._futures.items() if future.cancel()]
+            for key in cancelled:
+                del self._futures[key]
+        return len(cancelled)
+
+
+def build_ahead(pool: ProcessPoolExecutor, space: Space, configs: Sequence[Config], arch: str,
+                ahead: AheadBuilds | None = None, *, keep: bool = False) -> list[Future]:
     """Submit the builds of ``configs``, one job per variant of ``space`` (a candidate's, or a
     strategy's opening while the GPU workers start and SDPA is timed: the compile cache then holds
-    them when the search asks for them, so that no device waits for the first compiles)."""
-    return [pool.submit(build_config_job, (space.template, config, (variant,), arch, space.target.smem_per_block))
-            for config in configs for variant in space.variants]
+    them when the search asks for them, so that no device waits for the first compiles). With
+    ``ahead``: a build it holds is reused (``keep``: each new one is put there for a later ask)."""
+    futures = []
+    for config in configs:
+        for variant in space.variants:
+            key = (space.template, config.key(), variant, arch)
+            future = ahead.take(key) if ahead is not None and not keep else None
+            if future is None:
+                future = pool.submit(build_config_job, (space.template, config, (variant,), arch,
+                                                        space.target.smem_per_block))
+                if ahead is not None and keep:
+                    ahead.put(key, future)
+            futures.append(future)
+    return futures
 
 
 def _warm_compile_process() -> None:

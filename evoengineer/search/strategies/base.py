@@ -452,10 +452,11 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
     def use_process(self, url: str, study_name: str) -> None:
         """Compute the background batches in a process of their own (``BatchProcess``), which
         reads the study ``study_name`` from the storage at ``url``."""
-        from .remote import BatchProcess
+        from .remote import BatchProcess, adopt
 
         if self.recipe is not None and self._remote is None:
-            self._remote = BatchProcess(self.recipe, url, study_name, self.batch_size)
+            self._remote = (adopt(self.recipe, url, study_name, self.batch_size)
+                            or BatchProcess(self.recipe, url, study_name, self.batch_size))
 
     def close_process(self) -> None:
         if self._remote is not None:

@@ -28,6 +28,7 @@ class BatchProcess:
     reading the study ``study_name`` from the storage at ``url``."""
 
     def __init__(self, recipe: Recipe, url: str, study_name: str, batch_size: int) -> None:
+        self.recipe, self.url, self.study_name, self.batch_size = recipe, url, study_name, batch_size
         parent, child = _CTX.Pipe()
         self._conn = parent
         self._lock = threading.Lock()
@@ -72,8 +73,40 @@ class BatchProcess:
         self._conn.close()
 
 
+_STARTED: dict[str, BatchProcess] = {}
+"""Batch processes started ahead of their search (``start_ahead``), by study name."""
+
+
+def start_ahead(recipe: Recipe, url: str, study_name: str, batch_size: int) -> None:
+    """Start the batch process of the study ``study_name`` before the search needs it (the
+    study may not exist yet): its imports and the space's enumeration then overlap the GPU
+    workers' start and SDPA's timing, and ``adopt`` hands it to the sampler."""
+    if study_name not in _STARTED:
+        _STARTED[study_name] = BatchProcess(recipe, url, study_name, batch_size)
+
+
+def adopt(recipe: Recipe, url: str, study_name: str, batch_size: int) -> BatchProcess | None:
+    """The batch process started ahead for this sampler and study, if one was (each is adopted once)."""
+    started = _STARTED.pop(study_name, None)
+    if started is None:
+        return None
+    cls, space, seed, options = started.recipe
+    if (cls, seed, options, started.url, started.batch_size) == (recipe[0], recipe[2], recipe[3], url, batch_size) \
+            and space is recipe[1]:
+        return started
+    started.close()  # made for another sampler
+    return None
+
+
+def close_started() -> None:
+    """Stop the batch processes started ahead that no search adopted (a search that could not start)."""
+    while _STARTED:
+        _STARTED.popitem()[1].close()
+
+
 def _serve(conn: Any, recipe: Recipe, url: str, study_name: str, batch_size: int) -> None:
-    """The child: answer each request with a batch, until told to stop or the parent is gone."""
+    """The child: answer each request with a batch, until told to stop or the parent is gone.
+    The study is loaded at the first request (a process started ahead may start before it exists)."""
     import optuna
 
     from ..study import make_storage
@@ -83,9 +116,9 @@ def _serve(conn: Any, recipe: Recipe, url: str, study_name: str, batch_size: int
     sampler = cls(space, seed=seed, **options)
     sampler.recipe = recipe
     sampler.batch_size = batch_size
-    study = optuna.load_study(study_name=study_name, storage=make_storage(url, heartbeat_s=None), sampler=sampler)
     sampler.valid  # noqa: B018 - the space enumerated before the first request
     conn.send("ready")
+    study = None
     while True:
         try:
             request = conn.recv()
@@ -95,6 +128,9 @@ def _serve(conn: Any, recipe: Recipe, url: str, study_name: str, batch_size: int
             return
         want, skip, label = request
         try:
+            if study is None:
+                study = optuna.load_study(study_name=study_name, storage=make_storage(url, heartbeat_s=None),
+                                          sampler=sampler)
             history = sampler.history(study)
             history.seen.update(space.config(c) for c in skip)
             batch = [] if sampler.exhausted(history) else sampler.compute_batch(study, history, want, random.Random(label))
