@@ -196,14 +196,17 @@ class BackwardLauncher:
                 needed: tuple[str, ...]) -> BackwardKernelSpec:
         """The backward kernel that serves a call of configuration ``cid``: its own, or for a call with
         features (``needed``) one built with them: ``cid``'s, the variant's fallback's, else another
-        (``deterministic``: a deterministic one)."""
+        (``deterministic``: a deterministic one; else one with atomic dQ where there is one)."""
         data = self.backward
         assert data is not None
         if not needed:
             return data.kernels[(dtype, head_dim, causal, cid)]
         check_grad(data, dtype, head_dim, causal, "attention", needed, deterministic)
-        kernels = {key: spec for key, spec in data.kernels.items() if spec.deterministic or not deterministic}
         variant = (dtype, head_dim, causal)
+        for exact in ((True,) if deterministic else (False, True)):
+            kernels = {key: spec for key, spec in data.kernels.items() if spec.deterministic == exact}
+            if any(key[:3] == variant and set(needed) <= set(spec.features) for key, spec in kernels.items()):
+                break
         return select_kernel(kernels, variant, cid, data.variants[variant].table.fallback, needed)
 
     def _plan_backward(self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, is_causal: bool, scale: float | None,
