@@ -289,17 +289,22 @@ def test_the_fallback_is_off_by_default_and_runs_sdpa_counted_per_reason(module)
         module.attention(q, k[:, :, :5], v, fallback="sdpa")
 
 
-def test_a_call_with_features_that_needs_a_gradient_is_refused_or_runs_the_fallback(module) -> None:
-    """The backward kernels have no features: such a call is refused in one line, or with the
-    fallback runs SDPA with its gradients; a plain call with the fallback keeps the training path."""
+def test_a_call_with_features_that_needs_a_gradient_trains_through_the_kernels_or_runs_the_fallback(module) -> None:
+    """A window or a soft cap with a gradient goes through the LSE op (the backward kernels hold
+    them); per-batch key ranges are refused in one line; with the fallback, a call no kernel serves
+    (CPU tensors, key ranges) runs SDPA with its gradients; a plain call keeps the training path."""
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 4, 7, 64, generator=gen).half().requires_grad_() for _ in range(3))
-    with pytest.raises(NotImplementedError, match="^attention: a gradient is needed .* the backward kernels have no "
-                                                  "features [^\n]*fallback='sdpa'"):
+    with pytest.raises(ValueError, match="^attention: q, k and v must be CUDA tensors"):   # the kernels' path, not a refusal
         module.attention(q, k, v, True, window_size=(2, 0))
+    lengths = torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="^attention: a gradient is needed .* the backward kernels have no "
+                                                  "per-batch key ranges [^\n]*fallback='sdpa'"):
+        module.attention(q, k, v, True, seqlens_k=lengths)
     meta = torch.empty(1, 4, 8, 64, dtype=torch.float16, device="meta", requires_grad=True)
-    with pytest.raises(NotImplementedError, match="backward kernels have no features"):
-        module.attention(meta, meta, meta, softcap=5.0)
+    served = module.attention(meta, meta, meta, softcap=5.0, window_size=(3, 1))   # meta: the LSE op's fake
+    assert served.shape == meta.shape and "attention_lse" in type(served.grad_fn).__name__
+    assert (served.grad_fn.window_left, served.grad_fn.window_right, served.grad_fn.softcap) == (3, 1, 5.0)
     with torch.no_grad():   # no gradient: the kernel path's checks as before
         with pytest.raises(ValueError, match="^attention: q, k and v must be CUDA tensors"):
             module.attention(q, k, v, True, window_size=(2, 0))
@@ -312,8 +317,11 @@ def test_a_call_with_features_that_needs_a_gradient_is_refused_or_runs_the_fallb
     torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)
     for got, want in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    assert module.fallback_counts() == {"q, k and v must be CUDA tensors, got device cpu": 1}
+    module.fallback_counts(reset=True)
+    module.attention(q, k, v, True, seqlens_k=lengths, fallback="sdpa")
     assert module.fallback_counts() == {"a gradient is needed (q, k or v requires grad) and the backward kernels have "
-                                        "no features (window_size, softcap, seqlens_k, leftpad_k)": 1}
+                                        "no per-batch key ranges (seqlens_k, leftpad_k)": 1}
     module.fallback_counts(reset=True)
     plain = module.attention(q, k, v, is_causal=True, fallback="sdpa")   # the training path's checks: CPU is uncovered
     assert plain.requires_grad

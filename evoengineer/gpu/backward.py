@@ -2,7 +2,8 @@
 FlashAttention-2 backward (``templates/flash_attention_bwd.cu.j2``) that takes it.
 
 ``attention_forward_lse(q, k, v)`` returns ``(o, lse)``; ``attention_backward(q, k, v, o, lse, do)``
-returns ``(dq, dk, dv)``. Tensors are (batch, heads, seq, head_dim), fp16 or bf16, K/V with a
+returns ``(dq, dk, dv)``; both take a call's ``features`` (``runtime.features.CallFeatures``: a
+window, a soft cap), run by kernels built with those switches. Tensors are (batch, heads, seq, head_dim), fp16 or bf16, K/V with a
 number of heads that divides q's (grouped-query attention); ``lse`` is (batch, heads, seq_q)
 fp32. Kernels are rendered, compiled with NVRTC for the tensors' device and loaded once per
 (configuration, variant, device). Launches go on torch's current stream; a backward whose dK/dV
@@ -31,9 +32,10 @@ from ..kernels.backward_rules import (
 )
 from ..runtime.backward_file import TENSOR_MAP_TENSORS
 from ..runtime.backward_launch import map_layouts, map_pointers
+from ..runtime.features import PLAIN, CallFeatures
 from ..runtime.loading import required_arch
 from ..space import Config, Variant
-from .launch import LOG2E, AttentionKernel, LaunchError, cupy_stream, torch_dtype
+from .launch import LOG2E, AttentionKernel, LaunchError, cupy_stream, feature_values, torch_dtype
 from .tensormap import MapStorage, TensorMapError, check_address, driver, map_geometry, pack_arguments
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
@@ -106,11 +108,12 @@ class BackwardKernel:
 
     def __call__(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, scale: float | None = None, *,
                  dq: Any = None, dk: Any = None, dv: Any = None, dsum: Any = None, dq_accum: Any = None,
-                 checked: bool = True) -> tuple[Any, Any, Any]:
+                 checked: bool = True, features: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
         """Gradients of attention(q, k, v) for the output gradient ``do``, given the forward's ``o`` and
         ``lse``; returns ``(dq, dk, dv)`` (into the given tensors where given). ``dsum`` (B*H*S_q floats)
         and ``dq_accum`` (B*H*S_q*D floats, atomic dQ only) are workspaces, allocated when not given;
-        the kernels never read what they held before."""
+        the kernels never read what they held before. ``features``: values of a feature kernel's
+        arguments (``softcap``, ``window_left``, ``window_right``; left out: off)."""
         import cupy
         import torch
 
@@ -130,7 +133,7 @@ class BackwardKernel:
             "LSE": lse.data_ptr(), "Dsum": dsum.data_ptr(), "dQacc": dq_accum.data_ptr() if dq_accum is not None else 0,
             "dQ": dq.data_ptr(), "dK": dk.data_ptr(), "dV": dv.data_ptr(),
             "B": batch, "H": heads, "H_kv": heads_kv, "S_q": seq_q, "S_k": seq_k,
-            "scale": scale, "scale_log2": scale * LOG2E,
+            "scale": scale, "scale_log2": scale * LOG2E, **feature_values(features),
         }
         for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do), ("dq", dq), ("dk", dk), ("dv", dv)):
             values.update({f"{name}_sb": t.stride(0), f"{name}_sh": t.stride(1), f"{name}_ss": t.stride(2)})
@@ -260,43 +263,53 @@ def load_forward_lse(config: Config, variant: Variant, device: Any, *, write_lse
     return _LOADED[key]
 
 
-def _variant(q: Any, causal: bool) -> Variant:
+def _variant(q: Any, causal: bool, features: CallFeatures = PLAIN) -> Variant:
+    """The call's variant, with the switches its features need (``CallFeatures.needed``)."""
     import torch
 
     dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(q.dtype)
     if dtype is None:
         raise LaunchError(f"q: expected float16 or bfloat16, got {q.dtype}")
-    return Variant(head_dim=int(q.shape[-1]), causal=bool(causal), dtype=dtype)
+    return Variant(head_dim=int(q.shape[-1]), causal=bool(causal), dtype=dtype, features=features.needed(bool(causal)))
+
+
+def _feature_arguments(features: CallFeatures, variant: Variant) -> dict[str, Any]:
+    """The feature arguments of a kernel built for ``variant`` (its switches'), from the call's values."""
+    names = {"softcap": ("softcap",), "window": ("window_left", "window_right")}
+    values = features.values()
+    return {name: values[name] for switch in variant.features for name in names.get(switch, ())}
 
 
 def attention_forward_lse(q: Any, k: Any, v: Any, scale: float | None = None, causal: bool = False,
-                          config: Config | None = None, *, out: Any = None, lse: Any = None) -> tuple[Any, Any]:
+                          config: Config | None = None, *, out: Any = None, lse: Any = None,
+                          features: CallFeatures = PLAIN) -> tuple[Any, Any]:
     """attention(q, k, v) and its row log-sum-exp: ``(o, lse)``, lse (B, H, S_q) fp32 natural log of
-    sum_k exp(scale * q.k) (causal: top-left aligned, as SDPA's ``is_causal``)."""
+    sum_k exp(scale * q.k) (causal: top-left aligned, as SDPA's ``is_causal``); with ``features``
+    (a window, a soft cap) of the capped scores the window keeps, -inf for a row that sees no key."""
     import torch
 
-    variant = _variant(q, causal)
+    variant = _variant(q, causal, features)
     kernel = load_forward_lse(config or forward_lse_config(variant.head_dim), variant, q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if lse is None else lse
     if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:3]) or not lse.is_contiguous():
         raise LaunchError(f"lse: expected a contiguous float32 tensor of shape {tuple(q.shape[:3])}")
-    kernel(q, k, v, out, scale, workspace=lse)
+    kernel(q, k, v, out, scale, workspace=lse, features=_feature_arguments(features, variant))
     return out, lse
 
 
 def attention_backward(q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, scale: float | None = None,
                        causal: bool = False, config: Config | None = None, *, deterministic: bool = False,
-                       **buffers: Any) -> tuple[Any, Any, Any]:
+                       features: CallFeatures = PLAIN, **buffers: Any) -> tuple[Any, Any, Any]:
     """``(dq, dk, dv)`` of attention(q, k, v) for output gradient ``do``; ``o`` and ``lse`` from
-    ``attention_forward_lse`` with the same ``scale`` and ``causal``. Without ``config``, the head dim's
-    default (``deterministic``: one whose dQ pass uses no atomics). ``buffers``: optional ``dq``, ``dk``,
-    ``dv`` outputs and ``dsum``, ``dq_accum`` workspaces (see ``BackwardKernel.__call__``)."""
-    variant = _variant(q, causal)
+    ``attention_forward_lse`` with the same ``scale``, ``causal`` and ``features``. Without ``config``,
+    the head dim's default (``deterministic``: one whose dQ pass uses no atomics). ``buffers``: optional
+    ``dq``, ``dk``, ``dv`` outputs and ``dsum``, ``dq_accum`` workspaces (see ``BackwardKernel.__call__``)."""
+    variant = _variant(q, causal, features)
     if config is None:
         config = default_config(variant.head_dim, deterministic_dq=deterministic)
     kernel = load_backward(config, variant, q.device)
-    return kernel(q, k, v, o, lse, do, scale, **buffers)
+    return kernel(q, k, v, o, lse, do, scale, features=_feature_arguments(features, variant), **buffers)
 
 
 # ---- references and the gradient rule (tests, the check script and, later, the gate) ----------
@@ -321,6 +334,31 @@ def sdpa_gradients(q: Any, k: Any, v: Any, do: Any, causal: bool, scale: float |
             dq, dk, dv = torch.autograd.grad(o, (qr, kr, vr), do.to(dtype))
     finally:
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+    return o.detach(), dq, dk, dv
+
+
+def reference_gradients(q: Any, k: Any, v: Any, do: Any, causal: bool, scale: float | None,
+                        features: CallFeatures = PLAIN, dtype: Any = None) -> tuple[Any, Any, Any, Any]:
+    """``(o, dq, dk, dv)`` by autograd of attention with ``features`` written out in ``dtype`` (the
+    inputs' own when None): s = q k^T * scale, s = softcap * tanh(s / softcap), the window and causal
+    mask (``features.allowed_keys``), softmax, times v; a row that sees no key gives 0 and no
+    gradient. fp32 gives the reference, the inputs' dtype the low-precision baseline of the rule."""
+    import torch
+
+    from ..runtime.features import allowed_keys, repeat_kv
+
+    dtype = dtype or q.dtype
+    qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    mask = allowed_keys(q.shape[0], q.shape[2], k.shape[2], bool(causal), features, device=q.device)
+    seen = mask.any(dim=-1, keepdim=True)
+    scores = torch.matmul(qr, repeat_kv(kr, q.shape[1]).transpose(-1, -2)) * scale
+    if features.softcap > 0:
+        scores = torch.tanh(scores / features.softcap) * features.softcap
+    scores = scores.masked_fill(~mask, float("-inf")).masked_fill(~seen, 0.0)   # a row that sees nothing: finite
+    p = torch.softmax(scores, dim=-1) * seen
+    o = torch.matmul(p, repeat_kv(vr, q.shape[1]))
+    dq, dk, dv = torch.autograd.grad(o, (qr, kr, vr), do.to(dtype))
     return o.detach(), dq, dk, dv
 
 

@@ -15,12 +15,15 @@ Parameters:
 - ``DQ_MODE``: ``atomic`` (fp32 reductions into a workspace, then a conversion) or ``separate`` (a
   deterministic kernel over query tiles), with ``DQ_BLOCK_M`` query rows per CTA and ``DQ_BLOCK_N``
   keys per tile of that kernel (atomic dQ has none: they stay at their defaults).
+
+Features (``FEATURES``): soft-capping and a sliding window, compile-time switches as the forward's
+(SOFTCAP=1, WINDOW=1); every kernel of the path holds them.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from .base import KernelPath, Scope, rule, scope_head_dims
+from .base import KernelPath, Scope, features_rule, rule, scope_head_dims
 
 NAME = "mma"
 TEMPLATE = "flash_attention_bwd"
@@ -31,6 +34,9 @@ DKDV_LAYOUTS = ("strips", "tiles", "halves")
 TILED_LAYOUTS = ("tiles", "halves")
 """The layouts of the 8-warp dK/dV kernel with 2-D warp tiles (halves: S and dP by column halves)."""
 DQ_MODES = ("atomic", "separate")
+FEATURES = ("softcap", "window")
+"""The compile-time features the template holds on this path (SOFTCAP, WINDOW): no per-batch key
+ranges or packed sequences."""
 TILES_WARPS = 8
 HALVES_MIN_TILE = 8192
 """halves: the least BLOCK_M * BLOCK_N, where a warp's S/dP tile (BLOCK_M * BLOCK_N / 256 keys wide)
@@ -79,6 +85,7 @@ def _dq_slices(c: Scope, head_dim: int) -> bool:
 RULES = (
     rule(NAME, "head-dims", f"the backward supports head dims {', '.join(map(str, HEAD_DIMS))}", "",
          lambda c: all(d in HEAD_DIMS for d in scope_head_dims(c))),
+    features_rule(NAME, FEATURES),
     rule(NAME, "layout", f"DKDV is one of {', '.join(DKDV_LAYOUTS)}", "DKDV", lambda c: c["DKDV"] in DKDV_LAYOUTS),
     rule(NAME, "keys", "BLOCK_N is 64 or 128 (strips: one warp per 16 keys)", "BLOCK_N", lambda c: c["BLOCK_N"] in (64, 128)),
     rule(NAME, "rows", "tiles, halves: BLOCK_M is 64 or 128; strips: 16, 32, 64 or 128 and at most BLOCK_N", "DKDV BLOCK_M BLOCK_N",
@@ -108,4 +115,4 @@ def label(values: dict[str, Any]) -> None:
 
 
 PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=lambda c: 32 * warps(c), rows_per_cta=lambda c: c["BLOCK_N"],
-                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS)
+                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS, features=FEATURES)

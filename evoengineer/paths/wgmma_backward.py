@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import KernelPath, Scope, head_dims_rule, rule
+from .base import KernelPath, Scope, features_rule, head_dims_rule, rule
 
 NAME = "wgmma"
 TEMPLATE = "flash_attention_bwd"
@@ -136,8 +136,13 @@ def template_values(c: Scope, head_dim: int) -> dict[str, Any]:
     return {"REGISTERS": registers(c), "OVERLAP_GEMMS": overlap_gemms(c, head_dim)}
 
 
+FEATURES: tuple[str, ...] = ()
+"""The compile-time features the path holds: none (a call with a window or a soft cap trains through the
+mma path's kernels)."""
+
 RULES = (
     head_dims_rule(NAME, HEAD_DIMS),
+    features_rule(NAME, FEATURES),
     rule(NAME, "arch", "wgmma exists only on sm_90a", "", lambda c: c.get("ARCH_NAME", ARCH) == ARCH),
     rule(NAME, "keys", "BLOCK_N is 64 keys per consumer warpgroup, CONSUMER_WGS 1 or 2", "BLOCK_N CONSUMER_WGS",
          lambda c: c["CONSUMER_WGS"] in (1, 2) and c["BLOCK_N"] == 64 * c["CONSUMER_WGS"]),
@@ -171,4 +176,5 @@ def label(values: dict[str, Any]) -> None:
 
 
 PATH = KernelPath(NAME, PARAMS, RULES, smem_bytes, threads=threads, rows_per_cta=lambda c: c["BLOCK_N"],
-                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS, template_values=template_values)
+                  defaults=DEFAULTS, label=label, head_dims=HEAD_DIMS, features=FEATURES,
+                  template_values=template_values)

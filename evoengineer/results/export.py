@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from .. import runtime
 from ..space import Config, Variant
-from .export_backward import BackwardChoice, backward_kernel_entry, short_backward
+from .export_backward import BackwardChoice, backward_kernel_entry, feature_configs, short_backward
 from .per_shape import (
     DISPATCH_RULE,
     ExportError,
@@ -386,14 +386,16 @@ def _backward(out: Path, module_name: str, specs: list[KernelSpec], choice: Back
     """kernel.json's ``backward`` section (with its ``notes``) and the sources it names, written
     into ``out``; (None, []) where the choice is no backward or no variant has one. ``forwards``:
     each variant's forward configurations, best first, where the LSE forward may be one of them
-    (``forward_lse_config``)."""
+    (``forward_lse_config``). Each variant also gets an LSE forward and backward kernels built with
+    the features a backward holds (``backward_rules.FEATURES``: a window, a soft cap) for the calls
+    that ask them (``feature_configs``)."""
     from ..kernels import RenderError, render
-    from ..kernels.backward_rules import BACKWARD_TEMPLATE, FORWARD_TEMPLATE, HEAD_DIMS, forward_lse_config
+    from ..kernels.backward_rules import BACKWARD_TEMPLATE, FEATURES, HEAD_DIMS, forward_lse_config
 
     if not choice.enabled:
         return None, []
     variants: dict[tuple[str, int, bool], Variant] = {}
-    for spec in specs:  # the backward kernels have no features: each variant's plain form
+    for spec in specs:  # each variant's plain form (the feature kernels follow from it)
         plain = replace(spec.variant, features=()) if getattr(spec.variant, "features", ()) else spec.variant
         variants.setdefault((spec.dtype, spec.variant.head_dim, spec.variant.causal), plain)
     configs: dict[str, dict] = {}
@@ -404,29 +406,34 @@ def _backward(out: Path, module_name: str, specs: list[KernelSpec], choice: Back
             notes.append(f"no backward for {label}: the backward supports head dims {', '.join(map(str, HEAD_DIMS))}")
             continue
         lse_config = forward_lse_config(head_dim, forwards.get((dtype, head_dim, causal), ()))
+        with_features = replace(variant, features=FEATURES)
+        lse = _lse_kernel(lse_config, dtype, variant, label)
         try:
-            lse = KernelSpec(lse_config.key(), dtype, variant, render(FORWARD_TEMPLATE, lse_config, variant), [])
-        except RenderError as exc:
-            raise ExportError(f"LSE forward for {label}: {exc}") from None
-        lse.args = kernel_args(lse.rendered.source, lse.rendered.launches[0].kernel)
-        configs[lse_config.key()] = {"label": lse_config.label(), "short": short_config(dict(lse_config)),
-                                     "config": lse_config.to_dict(), "role": "lse_forward"}
-        lse_file = f"{module_name}_lse_{lse.filename_stem}.cu"
-        (out / lse_file).write_text(lse.rendered.source)
-        written.append(out / lse_file)
-        forward_kernels.append({**_kernel_info(lse, module_name), "source": lse_file})
+            lse_features = _lse_kernel(lse_config, dtype, with_features, label)
+        except ExportError:   # a forward that holds no such feature: the mma LSE forward, which holds them
+            lse_features = _lse_kernel(forward_lse_config(head_dim), dtype, with_features, label)
+        for spec in (lse, lse_features):
+            config = spec.rendered.config
+            configs[config.key()] = {"label": config.label(), "short": short_config(dict(config)),
+                                     "config": config.to_dict(), "role": "lse_forward"}
+            lse_file = f"{module_name}_lse_{spec.filename_stem}.cu"
+            (out / lse_file).write_text(spec.rendered.source)
+            written.append(out / lse_file)
+            forward_kernels.append({**_kernel_info(spec, module_name), "source": lse_file})
         fallback = choice.fallback(dtype, head_dim, causal)
         exact = choice.deterministic_for(dtype, head_dim, causal)
         cases = [m for m in choice.measured if m.shape.variant_key == (dtype, head_dim, causal)]
-        for config in dict.fromkeys([fallback, exact, *(m.config for m in cases)]):
+        builds = [(config, variant) for config in dict.fromkeys([fallback, exact, *(m.config for m in cases)])]
+        builds += [(config, with_features) for config in feature_configs(fallback, exact, head_dim)]
+        for config, wanted in builds:
             cid = config.key()
             configs[cid] = {"label": config.label(), "short": short_backward(config), "config": config.to_dict(),
                             "role": "backward"}
             try:
-                rendered = render(BACKWARD_TEMPLATE, config, variant)
+                rendered = render(BACKWARD_TEMPLATE, config, wanted)
             except RenderError as exc:
                 raise ExportError(f"backward {short_backward(config)} for {label}: {exc}") from None
-            source = f"{module_name}_bwd_{cid}-{dtype}-{variant.label()}.cu"
+            source = f"{module_name}_bwd_{cid}-{dtype}-{wanted.label()}.cu"
             (out / source).write_text(rendered.source)
             written.append(out / source)
             kernels.append(backward_kernel_entry(rendered, cid, config, dtype, head_dim, causal, source))
@@ -439,6 +446,21 @@ def _backward(out: Path, module_name: str, specs: list[KernelSpec], choice: Back
         return None, written
     return {"rule": DISPATCH_RULE, "configs": configs, "forward_kernels": forward_kernels, "kernels": kernels,
             "variants": entries, "notes": notes}, written
+
+
+def _lse_kernel(config: Config, dtype: str, variant: Variant, label: str) -> KernelSpec:
+    """The LSE forward of ``config`` for ``variant`` (its features' switches included); ExportError
+    in one line where it does not render."""
+    from ..kernels import RenderError, render
+    from ..kernels.backward_rules import FORWARD_TEMPLATE
+
+    try:
+        spec = KernelSpec(config.key(), dtype, variant, render(FORWARD_TEMPLATE, config, variant), [])
+    except RenderError as exc:
+        features = getattr(variant, "features", ())
+        raise ExportError(f"LSE forward for {label}{' with ' + ', '.join(features) if features else ''}: {exc}") from None
+    spec.args = kernel_args(spec.rendered.source, spec.rendered.launches[0].kernel)
+    return spec
 
 
 def _kernel_info(spec: KernelSpec, module_name: str) -> dict:

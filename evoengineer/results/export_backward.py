@@ -4,7 +4,9 @@ Every (dtype, head_dim, causal) of an export whose head dim the backward support
 (``kernels.backward_rules.HEAD_DIMS``) gets an LSE forward (``forward_lse_config``), a backward
 configuration (given with ``--backward``, a backward search's per-case winners, else the head
 dim's default) and a deterministic one (dQ without atomics: the chosen one where it is
-deterministic already, else the head dim's deterministic default).
+deterministic already, else the head dim's deterministic default). For calls with a window or a
+soft cap it also gets an LSE forward and backward kernels built with those switches
+(``feature_configs``).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ..kernels.backward_rules import (
     backward_launches,
     default_config,
     deterministic,
+    holds_features,
     path_defaults,
     problems,
 )
@@ -165,6 +168,14 @@ def deterministic_twin(config: Config, head_dim: int) -> Config:
     return config if deterministic(config) else default_config(head_dim, deterministic_dq=True)
 
 
+def feature_configs(fallback: Config, exact: Config, head_dim: int) -> list[Config]:
+    """The backward configurations of a variant that get kernels with features (``FEATURES``): its
+    fallback and its deterministic one where their path holds them, and where the fallback's does
+    not (the wgmma path), the head dim's mma default in its place."""
+    wanted = [fallback if holds_features(fallback) else default_config(head_dim), exact]
+    return [c for c in dict.fromkeys(wanted) if holds_features(c)]
+
+
 def workspaces(rendered: Rendered, config: Config, head_dim: int) -> dict[str, int]:
     """Floats per query row of each workspace argument the backward takes."""
     names = [name for name, kind in backward_arguments(rendered) if kind == "ptr"]
@@ -203,4 +214,5 @@ def backward_kernel_entry(rendered: Rendered, config_id: str, config: Config, dt
             "args": [list(a) for a in args], "deterministic": deterministic(config),
             "workspaces": workspaces(rendered, config, head_dim),
             "launches": [launch.to_json() for launch in launches],
-            **({"tensor_maps": [m.to_json() for m in rendered.tensor_maps]} if rendered.tensor_maps else {})}
+            **({"tensor_maps": [m.to_json() for m in rendered.tensor_maps]} if rendered.tensor_maps else {}),
+            **({"features": list(rendered.features)} if rendered.features else {})}

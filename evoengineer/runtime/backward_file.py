@@ -13,7 +13,10 @@ An export that can train carries, per (dtype, head_dim, causal) it covers:
   its fp32 workspaces (floats per query row); a kernel set whose dK/dV kernel loads by TMA also its
   ``tensor_maps`` (over q, k, v, do, and the flat lse and dsum), whose ``tmap`` arguments follow the
   others: every launch gets the same argument block, and a kernel that takes fewer arguments reads
-  only its own.
+  only its own;
+- kernels built with compile-time features (``features``: softcap, window; their arguments after
+  the others, as the forward's) and LSE forwards with the same switches, which serve the calls
+  with a window or a soft cap (``switches`` lists what both hold).
 
 Nothing in it is evaluated; ``parse_backward`` checks every field the runtime uses and raises
 ``KernelFileError`` naming the file and the key.
@@ -26,6 +29,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .dispatch import MeasuredCase, Variant, VariantTable
+from .features import SCALAR_ARGS as FEATURE_SCALARS
+from .features import kernel_switches
 
 POINTER_ARGS = ("Q", "K", "V", "O", "dO", "LSE", "dQ", "dK", "dV")
 """The backward's tensor pointers, filled per call."""
@@ -33,8 +38,9 @@ WORKSPACE_ARGS = ("Dsum", "dQacc")
 """fp32 workspaces a backward may take (floats per query row given by its ``workspaces``)."""
 TENSORS = ("q", "k", "v", "o", "do", "dq", "dk", "dv")
 SCALAR_ARGS = ("B", "H", "H_kv", "S_q", "S_k", "scale", "scale_log2",
-               *(f"{t}_s{d}" for t in TENSORS for d in "bhs"))
-"""The backward's scalar arguments: sizes, the tensors' strides (elements), the softmax scale."""
+               *(f"{t}_s{d}" for t in TENSORS for d in "bhs"), *FEATURE_SCALARS)
+"""The backward's scalar arguments: sizes, the tensors' strides (elements), the softmax scale, and
+those of its features (window sides, soft cap)."""
 GRIDS = ("q", "kv")
 TENSOR_MAP_TENSORS = ("q", "k", "v", "do")
 """What a backward's tensor maps name, in the order of the pointers a call re-points them to
@@ -79,16 +85,20 @@ class BackwardKernelSpec:
     source: str = field(default="", repr=False)
     tensor_maps: tuple[Any, ...] = ()
     """``kernel_file.TensorMapSpec`` of each ``tmap`` argument (LOAD tma), in argument order."""
+    features: tuple[str, ...] = ()
+    """Its compile-time features (``features.SWITCHES``: softcap, window), sorted."""
 
     @property
-    def key(self) -> tuple[str, int, bool, str]:
-        return (self.dtype, self.head_dim, self.causal, self.config)
+    def key(self) -> tuple:
+        """(dtype, head_dim, causal, config); a kernel with features adds them, as the forward's."""
+        return (self.dtype, self.head_dim, self.causal, self.config, *((self.features,) if self.features else ()))
 
     def as_dict(self) -> dict[str, Any]:
         return {"launches": [launch.to_json() for launch in self.launches], "args": list(self.args),
                 "workspaces": dict(self.workspaces), "deterministic": self.deterministic, "source": self.source,
                 "source_file": self.source_file,
-                **({"tensor_maps": [m.to_json() for m in self.tensor_maps]} if self.tensor_maps else {})}
+                **({"tensor_maps": [m.to_json() for m in self.tensor_maps]} if self.tensor_maps else {}),
+                **({"features": list(self.features)} if self.features else {})}
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,14 @@ class BackwardData:
 
     def covered(self) -> str:
         return ", ".join(f"{d} D{h}{' causal' if c else ''}" for d, h, c in sorted(self.variants))
+
+    def switches(self, variant: Variant, deterministic: bool = False) -> set[str]:
+        """The features the variant's calls with a gradient may ask: those an LSE forward and a
+        backward kernel (``deterministic``: a deterministic one) of the variant both hold."""
+        forward = {f for key, spec in self.forward_kernels.items() if key[:3] == variant for f in spec.switches}
+        backward = {f for key, spec in self.kernels.items() if key[:3] == variant
+                    and (spec.deterministic or not deterministic) for f in spec.features}
+        return forward & backward
 
 
 def parse_backward(top: Any, path: Path, read_kernel: Callable[[Any], Any], config_info: Callable[[Any], Any],
@@ -227,7 +245,10 @@ def _backward_kernel(entry: Any, directory: Path, dtypes: tuple[str, ...],
         maps = read_maps(entry, args)
         if any(m.tensor not in TENSOR_MAP_TENSORS for m in maps):
             entry.fail(entry.key("tensor_maps"), f"a backward maps only {', '.join(TENSOR_MAP_TENSORS)}")
+    features: list = entry.items("features") if entry.doc.get("features") is not None else []
+    if not all(isinstance(f, str) for f in features) or list(kernel_switches(features)) != sorted(features):
+        entry.fail(entry.key("features"), "expected a sorted list of compile-time features (softcap, window)")
     source_file, source = entry.source("source", directory)
     return BackwardKernelSpec(entry.text("config"), entry.text("dtype", dtypes), entry.integer("head_dim", 1),
                               entry.flag("causal"), source_file, tuple(args), tuple(launches), tuple(workspaces),
-                              entry.flag("deterministic"), source, tuple(maps))
+                              entry.flag("deterministic"), source, tuple(maps), tuple(features))

@@ -1,6 +1,8 @@
 """The training path of an export: the LSE forward (output and row log-sum-exp) and the backward
 (preprocess, dK/dV, dQ) launched on torch's current stream, each prepared once per shape, strides,
-dtype, device and mode (per thread), as the inference forward is (``launch.py``)."""
+dtype, device, mode and features (per thread), as the inference forward is (``launch.py``). A call
+with a window or a soft cap runs an LSE forward and a backward built with those switches
+(``features.select_kernel``)."""
 from __future__ import annotations
 
 import math
@@ -15,6 +17,7 @@ from .arguments import PackedArguments, element_strides, pack_arguments
 from .backward_file import TENSOR_MAP_TENSORS, BackwardKernelSpec
 from .checks import DTYPE_NAMES, Coverage, check_grad, check_inputs
 from .dispatch import DispatchTable
+from .features import PLAIN, CallFeatures, call_features, select_kernel
 from .kernel_file import ExportData
 from .launch import (ALIGNMENT_ERROR, LOG2E, MAX_GRID_ROWS, MAX_PLANS, Launcher, MapSlot, current_device, encode_maps,
                      raw_stream, repoint)
@@ -52,10 +55,10 @@ def _empty_gradients(q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any) -> tuple
 
 
 def _backward_key(q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, is_causal: bool, scale: float | None,
-                  enable_gqa: bool, deterministic: bool) -> tuple:
+                  enable_gqa: bool, deterministic: bool, features: CallFeatures) -> tuple:
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), o.stride(), do.stride(), q.dtype, k.dtype,
             v.dtype, o.dtype, do.dtype, do.shape, o.shape, lse.shape, q.device, k.device, v.device, o.device,
-            lse.device, do.device, is_causal, scale, enable_gqa, bool(deterministic))
+            lse.device, do.device, is_causal, scale, enable_gqa, bool(deterministic), features)
 
 
 def map_layouts(q: Any, k: Any, v: Any, do: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -144,19 +147,22 @@ class BackwardLauncher:
     # -- the LSE forward ----------------------------------------------------------------------
 
     def forward_lse(self, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None,
-                    enable_gqa: bool) -> tuple[Any, Any]:
-        """``(out, lse)``: the attention and each query row's log-sum-exp (fp32, (B, H, S_q))."""
+                    enable_gqa: bool, features: CallFeatures = PLAIN) -> tuple[Any, Any]:
+        """``(out, lse)``: the attention and each query row's log-sum-exp (fp32, (B, H, S_q); -inf
+        for a row whose window holds no key)."""
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-               q.get_device(), k.get_device(), v.get_device(), is_causal, scale, enable_gqa, "lse")
-        plan = self._cached(key, lambda: self._plan_forward(q, k, v, is_causal, scale, enable_gqa))
+               q.get_device(), k.get_device(), v.get_device(), is_causal, scale, enable_gqa, "lse", features)
+        plan = self._cached(key, lambda: self._plan_forward(q, k, v, is_causal, scale, enable_gqa, features))
         if plan is None:
             return torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         return plan.run(q, k, v)
 
-    def _plan_forward(self, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool) -> Any:
+    def _plan_forward(self, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool,
+                      features: CallFeatures) -> Any:
         check_inputs(self.coverage, q, k, v, is_causal, scale, enable_gqa)
         dtype, head_dim, causal = DTYPE_NAMES[q.dtype], int(q.shape[-1]), bool(is_causal)
-        check_grad(self.backward, dtype, head_dim, causal, "attention")
+        needed = features.needed(causal)
+        check_grad(self.backward, dtype, head_dim, causal, "attention", needed)
         batch, heads, seq_q = (int(x) for x in q.shape[:3])
         if seq_q == 0 or batch * heads == 0 or q.is_meta:
             return None   # nothing to run (meta tensors: the outputs' metadata)
@@ -165,23 +171,46 @@ class BackwardLauncher:
         if batch * heads > MAX_GRID_ROWS:
             raise ValueError(f"attention: batch * heads = {batch * heads} exceeds the grid's {MAX_GRID_ROWS}; split the batch")
         chosen = self.backward.variants[(dtype, head_dim, causal)]   # type: ignore[union-attr]
-        spec = self.backward.forward_kernels[(dtype, head_dim, causal, chosen.forward)]   # type: ignore[union-attr]
-        return self.forward_launcher.plan_kernel(spec, q, k, v, scale, lse=True)
+        if needed:
+            spec = select_kernel(self.backward.forward_kernels, (dtype, head_dim, causal), chosen.forward,   # type: ignore[union-attr]
+                                 chosen.forward, needed)
+        else:
+            spec = self.backward.forward_kernels[(dtype, head_dim, causal, chosen.forward)]   # type: ignore[union-attr]
+        return self.forward_launcher.plan_kernel(spec, q, k, v, scale, lse=True, features=features)
 
     # -- the backward -----------------------------------------------------------------------------
 
     def run_backward(self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, is_causal: bool, scale: float | None,
-                     enable_gqa: bool, deterministic: bool) -> tuple[Any, Any, Any]:
-        """``(dq, dk, dv)`` for the output gradient ``do`` of ``out, lse = forward_lse(q, k, v, ...)``;
-        dK and dV summed over each group of query heads (grouped-query attention)."""
+                     enable_gqa: bool, deterministic: bool, features: CallFeatures = PLAIN) -> tuple[Any, Any, Any]:
+        """``(dq, dk, dv)`` for the output gradient ``do`` of ``out, lse = forward_lse(q, k, v, ...)``
+        (with the same ``features``); dK and dV summed over each group of query heads (grouped-query
+        attention)."""
         if not do.is_meta and not well_formed(do):
             do = do.contiguous()
-        key = _backward_key(q, k, v, o, lse, do, is_causal, scale, enable_gqa, deterministic)
-        plan = self._cached(key, lambda: self._plan_backward(do, q, k, v, o, lse, is_causal, scale, deterministic))
+        key = _backward_key(q, k, v, o, lse, do, is_causal, scale, enable_gqa, deterministic, features)
+        plan = self._cached(key, lambda: self._plan_backward(do, q, k, v, o, lse, is_causal, scale, deterministic,
+                                                             features))
         return plan.run(q, k, v, o, lse, do)
 
+    def _kernel(self, dtype: str, head_dim: int, causal: bool, cid: str, deterministic: bool,
+                needed: tuple[str, ...]) -> BackwardKernelSpec:
+        """The backward kernel that serves a call of configuration ``cid``: its own, or for a call with
+        features (``needed``) one built with them: ``cid``'s, the variant's fallback's, else another
+        (``deterministic``: a deterministic one; else one with atomic dQ where there is one)."""
+        data = self.backward
+        assert data is not None
+        if not needed:
+            return data.kernels[(dtype, head_dim, causal, cid)]
+        check_grad(data, dtype, head_dim, causal, "attention", needed, deterministic)
+        variant = (dtype, head_dim, causal)
+        for exact in ((True,) if deterministic else (False, True)):
+            kernels = {key: spec for key, spec in data.kernels.items() if spec.deterministic == exact}
+            if any(key[:3] == variant and set(needed) <= set(spec.features) for key, spec in kernels.items()):
+                break
+        return select_kernel(kernels, variant, cid, data.variants[variant].table.fallback, needed)
+
     def _plan_backward(self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, is_causal: bool, scale: float | None,
-                       deterministic: bool) -> BackwardPlan:
+                       deterministic: bool, features: CallFeatures = PLAIN) -> BackwardPlan:
         devices = {t.device for t in (q, k, v, o, lse, do)}
         if len(devices) != 1:
             raise ValueError(f"attention: backward inputs must be on one device, got {', '.join(sorted(map(str, devices)))}")
@@ -194,9 +223,9 @@ class BackwardLauncher:
             raise ValueError(f"attention: lse must be a contiguous float32 tensor of shape {(batch, heads, seq_q)}")
         dtype, causal, device = DTYPE_NAMES[q.dtype], bool(is_causal), q.get_device()
         cid = self.choose(dtype, head_dim, causal, batch, heads, seq_q, seq_k, heads_kv, deterministic)
+        spec = self._kernel(dtype, head_dim, causal, cid, deterministic, features.needed(causal))
         if seq_q == 0 or batch * heads == 0 or q.is_meta:
-            return BackwardPlan(_empty_gradients, cid)
-        spec = self.backward.kernels[(dtype, head_dim, causal, cid)]   # type: ignore[union-attr]
+            return BackwardPlan(_empty_gradients, spec.config)
         grads = [torch.empty_like(t, device="meta") for t in (q, k, v)]
         tensors = dict(zip(("q", "k", "v", "o", "do", "dq", "dk", "dv"), (q, k, v, o, do, *grads)))
         strides = {name: element_strides(t) for name, t in tensors.items()}
@@ -205,7 +234,7 @@ class BackwardLauncher:
             raise ValueError(ALIGNMENT_ERROR)
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         values: dict[str, int | float] = {"B": batch, "H": heads, "H_kv": heads_kv, "S_q": seq_q, "S_k": seq_k,
-                                          "scale": scale, "scale_log2": scale * LOG2E}
+                                          "scale": scale, "scale_log2": scale * LOG2E, **features.values()}
         for name, (sb, sh, ss) in strides.items():
             values.update({f"{name}_sb": sb, f"{name}_sh": sh, f"{name}_ss": ss})
         pointer_names = [name for name, kind in spec.args if kind == "ptr"]
@@ -224,7 +253,7 @@ class BackwardLauncher:
         if current_device() == device:
             cupy.cuda.runtime.setDevice(device)  # binds the device's context to this thread for the driver-API launch
         run = make_backward_run(packed, launches, offsets, total, device, cupy.cuda.driver.launchKernel, maps)
-        return BackwardPlan(run, cid, spec, launches, packed, total, keep)
+        return BackwardPlan(run, spec.config, spec, launches, packed, total, keep)
 
     @staticmethod
     def _encode_maps(spec: BackwardKernelSpec, q: Any, k: Any, v: Any, do: Any
@@ -239,19 +268,22 @@ class BackwardLauncher:
             raise ValueError(f"attention: {exc}") from None
 
     def explain(self, q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None,
-                enable_gqa: bool = False, deterministic: bool = False) -> dict[str, Any]:
-        """What the backward of such a call runs: its configuration and launches (the plan is
-        built and its kernels compiled if needed)."""
+                enable_gqa: bool = False, deterministic: bool = False, *, window_size: Any = None,
+                softcap: float | None = None) -> dict[str, Any]:
+        """What the backward of such a call runs: its configuration, features and launches (the
+        plan is built and its kernels compiled if needed)."""
+        features = call_features(window_size, softcap)
         o = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         do = o if well_formed(o) else o.contiguous()
-        key = _backward_key(q, k, v, o, lse, do, is_causal, scale, enable_gqa, deterministic)
-        plan = self._cached(key, lambda: self._plan_backward(do, q, k, v, o, lse, is_causal, scale, deterministic))
+        key = _backward_key(q, k, v, o, lse, do, is_causal, scale, enable_gqa, deterministic, features)
+        plan = self._cached(key, lambda: self._plan_backward(do, q, k, v, o, lse, is_causal, scale, deterministic,
+                                                             features))
         if plan.kernel is None or plan.config is None:
             return {"config": plan.config, "launches": [], "workspace_bytes": 0}
         info = self.backward.configs[plan.config]   # type: ignore[union-attr]
         return {"config": plan.config, "short": info.short, "params": info.params, "kernel": plan.kernel.key,
-                "deterministic": plan.kernel.deterministic,
+                "deterministic": plan.kernel.deterministic, "features": list(plan.kernel.features),
                 "launches": [{"kernel": spec.kernel, "grid": l[1:4], "block": l[4:7], "smem": l[7]}
                              for spec, l in zip(plan.kernel.launches, plan.launches)],
                 "workspace_bytes": 4 * plan.workspace_floats}

@@ -87,8 +87,11 @@ def check_variant(coverage: Coverage, q: Any, k: Any, v: Any, is_causal: bool, w
     return variant
 
 
-def check_grad(backward: BackwardData | None, dtype: str, head_dim: int, causal: bool, who: str = "attention") -> None:
-    """NotImplementedError (one line) unless the export has a backward for (dtype, head_dim, causal)."""
+def check_grad(backward: BackwardData | None, dtype: str, head_dim: int, causal: bool, who: str = "attention",
+               needed: tuple[str, ...] = (), deterministic: bool = False) -> None:
+    """NotImplementedError (one line) unless the export has a backward for (dtype, head_dim, causal)
+    and, for a call whose features need the switches ``needed``, kernels built with them (an LSE
+    forward and a backward, ``deterministic``: a deterministic one)."""
     label = f"{dtype} head_dim {head_dim}{' causal' if causal else ''}"
     if backward is None:
         raise NotImplementedError(
@@ -99,3 +102,10 @@ def check_grad(backward: BackwardData | None, dtype: str, head_dim: int, causal:
         raise NotImplementedError(
             f"{who}: a gradient is needed (q, k or v requires grad) but this export has no backward for {label}; "
             f"its backward covers {backward.covered()}; call under torch.no_grad() for inference")
+    missing = [f for f in needed if f not in backward.switches((dtype, int(head_dim), bool(causal)), deterministic)]
+    if missing:
+        raise NotImplementedError(
+            f"{who}: a gradient is needed (q, k or v requires grad) but this export's backward for {label} has no "
+            f"{' and '.join(missing)}{' (deterministic)' if deterministic else ''}; the backward kernels hold a window "
+            "and a soft cap (re-export with a current `evoengineer export`), not per-batch key ranges or packed "
+            "sequences; call under torch.no_grad(), or with fallback='sdpa' (SDPA computes such calls and their gradients)")

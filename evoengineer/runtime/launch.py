@@ -160,10 +160,13 @@ class Plan:
     """The K/V split count of a kernel that chooses it per call (``grid.call_splits``), else 1."""
 
 
-FEATURE_GRAD_REASON = ("a gradient is needed (q, k or v requires grad) and the backward kernels have no features "
-                       "(window_size, softcap, seqlens_k, leftpad_k)")
+FEATURE_GRAD_REASON = ("a gradient is needed (q, k or v requires grad) and the backward kernels have no per-batch "
+                       "key ranges (seqlens_k, leftpad_k)")
 FEATURE_GRAD_ERROR = (f"attention: {FEATURE_GRAD_REASON}; call without them, under torch.no_grad(), or with "
                       "fallback='sdpa' (SDPA computes such calls and their gradients)")
+FEATURE_OP_GRAD_ERROR = ("attention: a gradient is needed (q, k or v requires grad) and the attention_features op computes "
+                         "none; call the module's attention(...) (a window or a soft cap trains through the backward "
+                         "kernels), or with fallback='sdpa'")
 
 
 def _empty_output(q: Any, k: Any, v: Any) -> Any:
@@ -372,7 +375,7 @@ class Launcher:
                 counts.add(plan.fallback)
                 return reference_attention(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k)
             if (q.requires_grad or k.requires_grad or v.requires_grad) and grad_enabled():
-                raise NotImplementedError(FEATURE_GRAD_ERROR)
+                raise NotImplementedError(FEATURE_OP_GRAD_ERROR)
             if plan.ranges:
                 struct = plan.packed.values  # type: ignore[union-attr]
                 struct.seqlens_k = 0 if seqlens_k is None else seqlens_k.data_ptr()
@@ -381,26 +384,30 @@ class Launcher:
 
         return forward_features
 
-    def features_with_grad(self, plain: Callable[..., Any], q: Any, k: Any, v: Any, is_causal: bool,
-                           scale: float | None, enable_gqa: bool, deterministic: bool | None, features: CallFeatures,
-                           seqlens_k: Any, leftpad_k: Any, fallback: str | None) -> Any:
+    def features_with_grad(self, plain: Callable[..., Any], train: Callable[..., Any], q: Any, k: Any, v: Any,
+                           is_causal: bool, scale: float | None, enable_gqa: bool, deterministic: bool | None,
+                           features: CallFeatures, seqlens_k: Any, leftpad_k: Any, fallback: str | None) -> Any:
         """A call with features or a fallback whose inputs require grad: ``plain`` (the training
-        path) where it asks no feature; else, or where ``plain`` has no kernel for it, SDPA
-        (differentiable, counted) with ``fallback``; otherwise NotImplementedError in one line."""
+        path) where it asks no feature, ``train`` (``op.make_feature_training``: the LSE forward and
+        the backward built with them) where it asks a window or a soft cap; SDPA (differentiable,
+        counted) with ``fallback`` where neither has kernels for it or it passes per-batch key
+        ranges; otherwise NotImplementedError (or the kernels' error) in one line."""
         if seqlens_k is not None or leftpad_k is not None:
             check_ranges(q, seqlens_k, leftpad_k)
-        if not features.needed(bool(is_causal)):
+        if features.seqlens:
             if fallback is None:
-                return plain(q, k, v, is_causal, scale, enable_gqa, deterministic)
+                raise NotImplementedError(FEATURE_GRAD_ERROR)
+            reason = FEATURE_GRAD_REASON
+        else:
+            run = (plain if not features.needed(bool(is_causal))
+                   else lambda *args: train(*args, features))
+            if fallback is None:
+                return run(q, k, v, is_causal, scale, enable_gqa, deterministic)
             try:
-                return plain(q, k, v, is_causal, scale, enable_gqa, deterministic)
+                return run(q, k, v, is_causal, scale, enable_gqa, deterministic)
             except Uncovered as exc:
                 reason = str(exc).removeprefix("attention: ")
-            except NotImplementedError as exc:  # no backward for this variant
+            except NotImplementedError as exc:  # no backward for this variant or these features
                 reason = str(exc).removeprefix("attention: ").split(";")[0]
-        elif fallback is None:
-            raise NotImplementedError(FEATURE_GRAD_ERROR)
-        else:
-            reason = FEATURE_GRAD_REASON
         self.fallbacks.add(reason)
         return reference_attention(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k)

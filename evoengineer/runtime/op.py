@@ -6,13 +6,14 @@ them and FakeTensorMode runs them without a GPU):
 - ``attention(q, k, v, is_causal, scale, enable_gqa, deterministic) -> out``: inference; no LSE is
   written. Its registered backward recomputes the LSE (one LSE forward) for callers that hold
   the op itself;
-- ``attention_lse(...) -> (out, lse)``: the forward a gradient needs (the row log-sum-exp beside
-  the output), with ``torch.library.register_autograd``: it saves q, k, v, out and lse only;
-- ``attention_backward(do, q, k, v, out, lse, ...) -> (dq, dk, dv)``, whose own backward (a
-  double backward) is refused in one line;
+- ``attention_lse(..., window_left, window_right, softcap) -> (out, lse)``: the forward a gradient
+  needs (the row log-sum-exp beside the output), with ``torch.library.register_autograd``: it saves
+  q, k, v, out and lse only; a window or a soft cap runs kernels built with them;
+- ``attention_backward(do, q, k, v, out, lse, ..., window_left, window_right, softcap) -> (dq, dk,
+  dv)``, whose own backward (a double backward) is refused in one line;
 - ``attention_features(q, k, v, ..., window_left, window_right, softcap, seqlens_k, leftpad_k,
-  fallback) -> out``: a call with features or a fallback (inference only: the backward kernels
-  have no features).
+  fallback) -> out``: a call with features or a fallback, for inference (``attention`` sends the
+  calls with a window or a soft cap that need a gradient to ``attention_lse``).
 
 ``attention(...)`` takes the eager fast path for plain tensors that need no gradient, the
 ``attention_lse`` op where one is needed (grad mode on and q, k or v requiring grad), and the
@@ -26,13 +27,17 @@ from typing import Any, Callable
 import torch
 
 from .checks import DTYPE_NAMES, Coverage, check_grad, check_inputs
+from .features import CallFeatures
 
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
           "bool deterministic=False) -> Tensor")
 LSE_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
-              "bool deterministic=False) -> (Tensor, Tensor)")
+              "bool deterministic=False, int window_left=-1, int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool is_causal, float? scale, "
-                   "bool enable_gqa, bool deterministic) -> (Tensor, Tensor, Tensor)")
+                   "bool enable_gqa, bool deterministic, int window_left=-1, int window_right=-1, float softcap=0.0) "
+                   "-> (Tensor, Tensor, Tensor)")
+NO_GRADS = (None,) * 7
+"""``attention_lse``'s gradients of its arguments after q, k and v (none)."""
 DOUBLE_BACKWARD_ERROR = ("attention: double backward (a gradient of the attention's gradients, e.g. create_graph=True) "
                          "is not supported by the exported kernels")
 
@@ -59,10 +64,12 @@ class Ops:
 
 
 def register_ops(namespace: str, forward: Forward, forward_lse: Callable[..., Any], backward: Callable[..., Any],
-                 coverage: Coverage, grad_check: Callable[[Any, bool], None]) -> Ops:
+                 coverage: Coverage, grad_check: Callable[..., None]) -> Ops:
     """The export's ops, registered on first use of the namespace (a second copy of the same export
-    shares them). ``grad_check(q, is_causal)`` raises unless a backward covers such a call
-    (metadata only, so it also runs on fake tensors)."""
+    shares them). ``forward_lse(q, k, v, is_causal, scale, enable_gqa, features)`` and
+    ``backward(..., deterministic, features)`` take the call's ``features.CallFeatures``;
+    ``grad_check(q, is_causal, needed=(), deterministic=False)`` raises unless a backward covers
+    such a call (metadata only, so it also runs on fake tensors)."""
     ns = getattr(torch.ops, namespace)
     if not hasattr(ns, "attention"):
         _define(namespace, forward, forward_lse, backward, coverage, grad_check)
@@ -70,7 +77,7 @@ def register_ops(namespace: str, forward: Forward, forward_lse: Callable[..., An
 
 
 def _define(namespace: str, forward: Forward, forward_lse: Callable[..., Any], backward: Callable[..., Any],
-            coverage: Coverage, grad_check: Callable[[Any, bool], None]) -> None:
+            coverage: Coverage, grad_check: Callable[..., None]) -> None:
     def impl(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
              deterministic: bool = False) -> Any:
         return forward(q, k, v, is_causal, scale, enable_gqa)
@@ -81,26 +88,32 @@ def _define(namespace: str, forward: Forward, forward_lse: Callable[..., Any], b
         return torch.empty_like(q)
 
     def lse_impl(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                 deterministic: bool = False) -> tuple[Any, Any]:
-        out, lse = forward_lse(q, k, v, is_causal, scale, enable_gqa)
+                 deterministic: bool = False, window_left: int = -1, window_right: int = -1,
+                 softcap: float = 0.0) -> tuple[Any, Any]:
+        features = CallFeatures(window_left, window_right, softcap)
+        out, lse = forward_lse(q, k, v, is_causal, scale, enable_gqa, features)
         return out, lse
 
     def lse_fake(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                 deterministic: bool = False) -> tuple[Any, Any]:
+                 deterministic: bool = False, window_left: int = -1, window_right: int = -1,
+                 softcap: float = 0.0) -> tuple[Any, Any]:
         check_inputs(coverage, q, k, v, is_causal, scale, enable_gqa)
-        grad_check(q, is_causal)
+        grad_check(q, is_causal, CallFeatures(window_left, window_right, softcap).needed(bool(is_causal)), deterministic)
         return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     def backward_impl(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, is_causal: bool, scale: float | None,
-                      enable_gqa: bool, deterministic: bool) -> tuple[Any, Any, Any]:
-        return backward(grad_out, q, k, v, out, lse, is_causal, scale, enable_gqa, deterministic)
+                      enable_gqa: bool, deterministic: bool, window_left: int = -1, window_right: int = -1,
+                      softcap: float = 0.0) -> tuple[Any, Any, Any]:
+        features = CallFeatures(window_left, window_right, softcap)
+        return backward(grad_out, q, k, v, out, lse, is_causal, scale, enable_gqa, deterministic, features)
 
     def backward_fake(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, is_causal: bool, scale: float | None,
-                      enable_gqa: bool, deterministic: bool) -> tuple[Any, Any, Any]:
+                      enable_gqa: bool, deterministic: bool, window_left: int = -1, window_right: int = -1,
+                      softcap: float = 0.0) -> tuple[Any, Any, Any]:
         devices = {t.device for t in (grad_out, q, k, v, out, lse)}
         if len(devices) != 1:
             raise ValueError(f"attention: backward inputs must be on one device, got {', '.join(sorted(map(str, devices)))}")
-        grad_check(q, is_causal)
+        grad_check(q, is_causal, CallFeatures(window_left, window_right, softcap).needed(bool(is_causal)), deterministic)
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     lib = f"{namespace}::"
@@ -113,22 +126,21 @@ def _define(namespace: str, forward: Forward, forward_lse: Callable[..., Any], b
     ns = getattr(torch.ops, namespace)
     lse_op, backward_op = ns.attention_lse.default, ns.attention_backward.default
 
-    def save(ctx: Any, inputs: tuple, out: Any, lse: Any) -> None:
-        q, k, v, is_causal, scale, enable_gqa, deterministic = inputs
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.is_causal, ctx.scale, ctx.enable_gqa, ctx.deterministic = is_causal, scale, enable_gqa, deterministic
-
     def lse_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
         out, lse = output
         ctx.mark_non_differentiable(lse)
-        save(ctx, inputs, out, lse)
+        q, k, v, is_causal, scale, enable_gqa, deterministic, window_left, window_right, softcap = inputs
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.is_causal, ctx.scale, ctx.enable_gqa, ctx.deterministic = is_causal, scale, enable_gqa, deterministic
+        ctx.window_left, ctx.window_right, ctx.softcap = window_left, window_right, softcap
 
     def lse_backward(ctx: Any, grad_out: Any, grad_lse: Any) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
         if grad_out is None:
-            return None, None, None, None, None, None, None
-        dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.enable_gqa, ctx.deterministic)
-        return dq, dk, dv, None, None, None, None
+            return (None, None, None, *NO_GRADS)
+        dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.enable_gqa, ctx.deterministic,
+                                 ctx.window_left, ctx.window_right, ctx.softcap)
+        return (dq, dk, dv, *NO_GRADS)
 
     def inference_setup(ctx: Any, inputs: tuple, output: Any) -> None:
         q, k, v, is_causal, scale, enable_gqa, deterministic = inputs
@@ -190,12 +202,31 @@ def make_attention(forward: Forward, ops: Ops, settings: Settings) -> Callable[.
     return attention
 
 
-def grad_checker(backward: Any) -> Callable[[Any, bool], None]:
-    """``grad_check(q, is_causal)`` for ``register_ops`` over an export's backward section."""
-    def grad_check(q: Any, is_causal: bool) -> None:
-        check_grad(backward, DTYPE_NAMES.get(q.dtype, str(q.dtype)), int(q.shape[-1]), bool(is_causal))
+def grad_checker(backward: Any) -> Callable[..., None]:
+    """``grad_check(q, is_causal, needed=(), deterministic=False)`` for ``register_ops`` over an
+    export's backward section (``needed``: the switches a call's features need)."""
+    def grad_check(q: Any, is_causal: bool, needed: tuple[str, ...] = (), deterministic: bool = False) -> None:
+        check_grad(backward, DTYPE_NAMES.get(q.dtype, str(q.dtype)), int(q.shape[-1]), bool(is_causal), "attention",
+                   needed, deterministic)
 
     return grad_check
+
+
+def make_feature_training(ops: Ops, settings: Settings) -> Callable[..., Any]:
+    """``train(q, k, v, is_causal, scale, enable_gqa, deterministic, features) -> out``: a call with
+    a window or a soft cap whose inputs require grad, through ``attention_lse`` (its backward runs
+    the backward kernels built with those features); eager and under torch.compile alike."""
+    lse_op = ops.attention_lse
+    torch_deterministic = torch.are_deterministic_algorithms_enabled
+
+    def train(q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool,
+              deterministic: bool | None, features: CallFeatures) -> Any:
+        if deterministic is None:
+            deterministic = settings.deterministic or torch_deterministic()
+        return lse_op(q, k, v, is_causal, scale, enable_gqa, bool(deterministic), features.window_left,
+                      features.window_right, features.softcap)[0]
+
+    return train
 
 
 # -- calls with features (window, soft cap, per-batch key ranges) or a fallback -------------------
@@ -239,9 +270,10 @@ def register_features_op(namespace: str, forward: FeatureForward, coverage: Cove
 
 
 def make_feature_attention(plain: Callable[..., Any], forward: FeatureForward, op: Any,
-                           with_grad: Callable[..., Any]) -> Callable[..., Any]:
+                           with_grad: Callable[..., Any], train: Callable[..., Any]) -> Callable[..., Any]:
     """``attention`` with the keywords of features and fallback; a call without them is ``plain``'s,
-    a call with them whose inputs require grad is ``with_grad(plain, ...)``'s (``Launcher.features_with_grad``)."""
+    a call with them whose inputs require grad is ``with_grad(plain, train, ...)``'s
+    (``Launcher.features_with_grad``; ``train``: ``make_feature_training``'s)."""
     from .features import call_features, check_fallback
 
     compiling = torch.compiler.is_compiling
@@ -268,16 +300,19 @@ def make_feature_attention(plain: Callable[..., Any], forward: FeatureForward, o
         int32 (batch,) tensors, batch b sees keys leftpad_k[b] .. seqlens_k[b] - 1 (padding); a
         query that sees no key gives 0. fallback='sdpa': a call no exported kernel covers runs
         SDPA (with the features as an explicit mask), counted per reason in fallback_counts();
-        None (default): such a call raises ValueError. The backward kernels have no features: a
-        call with them whose inputs require grad raises NotImplementedError, or with
-        fallback='sdpa' runs SDPA (differentiable, counted)."""
+        None (default): such a call raises ValueError. Gradients: where q, k or v requires grad, a
+        call with window_size or softcap runs the forward and backward kernels built with them
+        (eager and under torch.compile; a query that sees no key gets zero gradients); a call with
+        seqlens_k or leftpad_k, or one whose export has no such backward kernels, raises
+        NotImplementedError in one line, or with fallback='sdpa' runs SDPA (differentiable,
+        counted)."""
         if window_size is None and softcap is None and seqlens_k is None and leftpad_k is None and fallback is None:
             return plain(q, k, v, is_causal, scale, enable_gqa, deterministic)
         features = call_features(window_size, softcap, seqlens_k, leftpad_k)
         check_fallback(fallback)
         if grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
-            return with_grad(plain, q, k, v, is_causal, scale, enable_gqa, deterministic, features, seqlens_k, leftpad_k,
-                             fallback)
+            return with_grad(plain, train, q, k, v, is_causal, scale, enable_gqa, deterministic, features, seqlens_k,
+                             leftpad_k, fallback)
         if compiling() or type(q) is not tensor or type(k) is not tensor or type(v) is not tensor or dispatch_modes():
             return op(q, k, v, is_causal, scale, enable_gqa, features.window_left, features.window_right,
                       features.softcap, seqlens_k, leftpad_k, fallback)
