@@ -65,6 +65,19 @@ def make_storage(url: str, heartbeat_s: int | None = DEFAULT_HEARTBEAT_S) -> opt
     return storage
 
 
+def prepare_storage(url: str, attempts: int = 4) -> None:
+    """Make the storage's tables, if they are not there yet, ahead of the studies: searches
+    that start together on a new database race to make them and the loser retries, so this is
+    done before a search's slow start (its GPU workers, SDPA's timing) rather than after it.
+    Best effort: a storage that cannot be reached is reported when the studies open."""
+    for attempt in range(attempts):
+        try:
+            make_storage(url, heartbeat_s=None).engine.dispose()
+            return
+        except sqlalchemy.exc.SQLAlchemyError:
+            time.sleep(0.2 * (attempt + 1))
+
+
 def _tune_sqlite(storage: optuna.storages.RDBStorage) -> None:
     try:
         with storage.engine.connect() as conn:
