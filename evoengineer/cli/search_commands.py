@@ -36,7 +36,7 @@ from ..search import (
     study_problem,
 )
 from ..search.loop import AheadBuilds, build_ahead, compile_pool, writing
-from ..search.strategies import SAMPLERS
+from ..search.strategies import SAMPLERS, sampler_recipe
 from ..search.strategies.remote import close_started, start_ahead
 from ..search.study import prepare_storage
 from ..search.partition import DEFAULT_PARTITION, PARTITION_BY, Partition, narrow_evaluator, plan
@@ -267,7 +267,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         prepare_storage(storage)  # searches that start together race to make a new database's tables: not after SDPA's timing
         if len(devices) > 1:  # each partition's strategy computes its batches in a process: started now, beside the GPUs'
             for part in partitions:
-                start_ahead((SAMPLERS[strategy], part.space, seed, {}), storage, part.study_name(meta["study_name"]),
+                start_ahead(sampler_recipe(strategy, part.space, seed=seed), storage, part.study_name(meta["study_name"]),
                             len(devices))
         if replay is None:
             if args.resume and (run.path / "baseline.json").exists():

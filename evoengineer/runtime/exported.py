@@ -14,7 +14,7 @@ from .kernel_file import ExportData, read_kernel_file
 from .backward_launch import BackwardLauncher
 from .launch import Launcher
 from .loading import KernelCache
-from .op import (Settings, grad_checker, make_attention, make_feature_attention, make_feature_training, register_features_op,
+from .op import (Settings, grad_checker, make_attention, make_feature_attention, make_training, register_features_op,
                  register_ops)
 from .varlen import VarlenLauncher, make_varlen_attention, register_varlen_op
 
@@ -38,10 +38,10 @@ class ExportedAttention:
         self.op = self.ops.attention
         self.settings = Settings()
         self.features_op = register_features_op(data.op_namespace, self.launcher.forward_features, self.coverage)
-        self.attention = make_feature_attention(make_attention(self.launcher.forward, self.ops, self.settings),
+        train = make_training(self.ops, self.settings)
+        self.attention = make_feature_attention(make_attention(self.launcher.forward, self.ops, train),
                                                 self.launcher.forward_features, self.features_op,
-                                                self.launcher.features_with_grad,
-                                                make_feature_training(self.ops, self.settings))
+                                                self.launcher.features_with_grad, train)
         self.varlen = VarlenLauncher(self.launcher)
         self.varlen_op = register_varlen_op(data.op_namespace, self.varlen.forward, self.coverage)
         self.attention_varlen = make_varlen_attention(self.varlen.forward, self.varlen_op, self.varlen.with_grad)

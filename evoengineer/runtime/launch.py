@@ -388,7 +388,7 @@ class Launcher:
                            is_causal: bool, scale: float | None, enable_gqa: bool, deterministic: bool | None,
                            features: CallFeatures, seqlens_k: Any, leftpad_k: Any, fallback: str | None) -> Any:
         """A call with features or a fallback whose inputs require grad: ``plain`` (the training
-        path) where it asks no feature, ``train`` (``op.make_feature_training``: the LSE forward and
+        path) where it asks no feature, ``train`` (``op.make_training``: the LSE forward and
         the backward built with them) where it asks a window or a soft cap; SDPA (differentiable,
         counted) with ``fallback`` where neither has kernels for it or it passes per-batch key
         ranges; otherwise NotImplementedError (or the kernels' error) in one line."""

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from .checks import DTYPE_NAMES, Coverage, check_grad, check_inputs
-from .features import CallFeatures
+from .features import PLAIN, CallFeatures
 
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
           "bool deterministic=False) -> Tensor")
@@ -168,14 +168,14 @@ def _define(namespace: str, forward: Forward, forward_lse: Callable[..., Any], b
     gradients.register_autograd(refuse_double_backward, setup_context=backward_setup)
 
 
-def make_attention(forward: Forward, ops: Ops, settings: Settings) -> Callable[..., Any]:
-    """``attention(q, k, v, is_causal=False, scale=None, enable_gqa=False, deterministic=None)`` of one export."""
+def make_attention(forward: Forward, ops: Ops, train: Callable[..., Any]) -> Callable[..., Any]:
+    """``attention(q, k, v, is_causal=False, scale=None, enable_gqa=False, deterministic=None)`` of one
+    export; a call whose inputs require grad is ``train``'s (``make_training``)."""
     compiling = torch.compiler.is_compiling
     tensor = torch.Tensor
     dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
     grad_enabled = torch.is_grad_enabled
-    torch_deterministic = torch.are_deterministic_algorithms_enabled
-    op, lse_op = ops.attention, ops.attention_lse
+    op = ops.attention
 
     def attention(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False, deterministic: bool | None = None) -> Any:
@@ -194,9 +194,7 @@ def make_attention(forward: Forward, ops: Ops, settings: Settings) -> Callable[.
                 return forward(q, k, v, is_causal, scale, enable_gqa)
             return op(q, k, v, is_causal, scale, enable_gqa)
         if grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
-            if deterministic is None:
-                deterministic = settings.deterministic or torch_deterministic()
-            return lse_op(q, k, v, is_causal, scale, enable_gqa, bool(deterministic))[0]
+            return train(q, k, v, is_causal, scale, enable_gqa, deterministic)
         return op(q, k, v, is_causal, scale, enable_gqa)
 
     return attention
@@ -212,15 +210,16 @@ def grad_checker(backward: Any) -> Callable[..., None]:
     return grad_check
 
 
-def make_feature_training(ops: Ops, settings: Settings) -> Callable[..., Any]:
-    """``train(q, k, v, is_causal, scale, enable_gqa, deterministic, features) -> out``: a call with
-    a window or a soft cap whose inputs require grad, through ``attention_lse`` (its backward runs
-    the backward kernels built with those features); eager and under torch.compile alike."""
+def make_training(ops: Ops, settings: Settings) -> Callable[..., Any]:
+    """``train(q, k, v, is_causal, scale, enable_gqa, deterministic, features=PLAIN) -> out``: a call
+    whose inputs require grad, through ``attention_lse`` (its backward runs the backward kernels,
+    those built with the call's window or soft cap where it has them); eager and under
+    torch.compile alike. ``deterministic`` None: the module's setting, or torch's."""
     lse_op = ops.attention_lse
     torch_deterministic = torch.are_deterministic_algorithms_enabled
 
     def train(q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool,
-              deterministic: bool | None, features: CallFeatures) -> Any:
+              deterministic: bool | None, features: CallFeatures = PLAIN) -> Any:
         if deterministic is None:
             deterministic = settings.deterministic or torch_deterministic()
         return lse_op(q, k, v, is_causal, scale, enable_gqa, bool(deterministic), features.window_left,
@@ -273,7 +272,7 @@ def make_feature_attention(plain: Callable[..., Any], forward: FeatureForward, o
                            with_grad: Callable[..., Any], train: Callable[..., Any]) -> Callable[..., Any]:
     """``attention`` with the keywords of features and fallback; a call without them is ``plain``'s,
     a call with them whose inputs require grad is ``with_grad(plain, train, ...)``'s
-    (``Launcher.features_with_grad``; ``train``: ``make_feature_training``'s)."""
+    (``Launcher.features_with_grad``; ``train``: ``make_training``'s)."""
     from .features import call_features, check_fallback
 
     compiling = torch.compiler.is_compiling

@@ -14,6 +14,7 @@ import optuna
 from ...space import Config, Space
 from .base import CLAIM_KEY, History, HistoryReader, Proposal, SpaceSampler, read_history, trial_config
 from .evo import EvoSampler
+from .remote import Recipe
 from .grid import GridSearchSampler
 from .random_search import RandomSearchSampler
 from .tpe import TPESearchSampler
@@ -37,6 +38,7 @@ __all__ = [
     "SpaceSampler",
     "TPESearchSampler",
     "make_sampler",
+    "sampler_recipe",
     "read_history",
     "strategy_options",
     "suggest_config",
@@ -51,16 +53,24 @@ def strategy_options(name: str) -> dict[str, Any]:
     return {k: p.default for k, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY and k != "seed"}
 
 
-def make_sampler(name: str, space: Space, *, seed: int | None = None, **options: Any) -> SpaceSampler:
-    """The sampler of strategy ``name`` (evo, tpe, random, grid) over ``space``."""
+def sampler_recipe(name: str, space: Space, *, seed: int | None = None, **options: Any) -> Recipe:
+    """How ``make_sampler(name, space, seed=seed, **options)`` makes its sampler (what a batch
+    process makes its own from)."""
     cls = _lookup(name)
     accepted = strategy_options(name)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         known = ", ".join(accepted) or "none"
         raise ValueError(f"unknown option(s) for strategy {name!r}: {', '.join(unknown)} (accepted: {known})")
+    return (cls, space, seed, dict(options))
+
+
+def make_sampler(name: str, space: Space, *, seed: int | None = None, **options: Any) -> SpaceSampler:
+    """The sampler of strategy ``name`` (evo, tpe, random, grid) over ``space``."""
+    recipe = sampler_recipe(name, space, seed=seed, **options)
+    cls, _, _, _ = recipe
     sampler = cls(space, seed=seed, **options)
-    sampler.recipe = (cls, space, seed, dict(options))
+    sampler.recipe = recipe
     return sampler
 
 
