@@ -15,8 +15,8 @@ from evoengineer.cli.main import main
 from evoengineer.results import load_leaderboard, per_shape_winners
 from evoengineer.results.report import write_report
 from evoengineer.search import RunDir, check_records
-from evoengineer.search.partition import budget_shares, plan, split_cases
-from evoengineer.space import Config, load_space, parse_space
+from evoengineer.search.partition import budget_shares, plan, small_shape, split_cases
+from evoengineer.space import Case, Config, load_space, parse_space
 
 SPACE = {
     "name": "parts",
@@ -84,6 +84,13 @@ def test_partitions_follow_what_export_dispatches_on() -> None:
                                               "B4 H16 S2048 D64 causal"]
     assert d64.valid_size() > h100.valid_size()  # configurations valid at D64 only join its search
     assert len(d64.search.seeds) > len(h100.search.seeds)  # and so do its seeds valid at D64 only
+    assert [name for name, _ in split_cases(h100, "regime")] == ["D64 small", "D64", "D128"]  # the default
+    small, large = (part for name, part in split_cases(h100, "regime") if name.startswith("D64"))
+    assert [c.label() for c in small.cases] == ["B1 H8 S512 D64", "B1 H8 S512 D64 causal"]  # 32 tiles, 132 SMs
+    assert large.valid_size() == small.valid_size() == d64.valid_size()
+    bf16 = load_space("h100-bf16")
+    assert [name for name, _ in split_cases(bf16, "regime")] == ["D64 small bf16", "D64 bf16", "D128 bf16"]
+    assert [p.trials for p in plan(h100, "regime", h100.search.budget)] == [100, 100, 100]
     assert [name for name, _ in split_cases(h100, "shape")] == ["B1 H8 S512 D64", "B4 H16 S2048 D64", "B4 H16 S2048 D128"]
     assert [name for name, _ in split_cases(h100, "none")] == [""]
     decode = load_space("h100-decode")
@@ -92,6 +99,21 @@ def test_partitions_follow_what_export_dispatches_on() -> None:
     one = plan(h100.with_shapes([(4, 16, 2048, 64)]), "head-dim", 30)  # --shape: a search of one part, as before
     assert len(one) == 1 and one[0].name is None and one[0].trials == 30
     assert one[0].study_name("run") == "run" and plan(h100, "head-dim")[1].study_name("run") == "run:D128"
+
+
+def test_a_small_shape_gives_fewer_128_row_tiles_than_the_gpu_has_sms() -> None:
+    assert small_shape(Case(1, 8, 512, 64, False), 132)  # 32 tiles
+    assert small_shape(Case(1, 32, 500, 128, True, heads_kv=8), 132)  # 128 tiles: S rounded up to 4 tiles
+    assert not small_shape(Case(1, 33, 512, 128, False), 132)  # 132 tiles: one full wave
+    assert not small_shape(Case(1, 8, 512, 64, False), 32)
+    assert not small_shape(Case(2, 4, 1, 128, False, seq_kv=4096), 132)  # decode is a partition of its own
+    wide = parse_space({**SPACE, "problem": {**SPACE["problem"], "shapes": [
+        *SPACE["problem"]["shapes"], {"B": 4, "H": 16, "S": 2048, "D": 64, "causal": [False]}]}}, "wide.yaml")
+    parts = dict(split_cases(wide, "regime"))  # only a head dim of both regimes splits
+    assert list(parts) == ["D64 small", "D64", "D64 small bf16", "D64 bf16", "D128", "D128 bf16"]
+    assert [c.label() for c in parts["D64 small bf16"].cases] == ["B1 H8 S512 D64 bf16", "B1 H8 S512 D64 causal bf16"]
+    assert [c.label() for c in parts["D64"].cases] == ["B4 H16 S2048 D64"]
+    assert list(dict(split_cases(wide, "head-dim"))) == ["D64", "D64 bf16", "D128", "D128 bf16"]
 
 
 def test_each_partition_searches_its_own_valid_set_on_its_share_and_export_takes_its_winners(
@@ -105,7 +127,7 @@ def test_each_partition_searches_its_own_valid_set_on_its_share_and_export_takes
     run = tmp_path / "run"
     assert _search(space_yaml, recorded, run) == 0
     meta = json.loads((run / "run.json").read_text())
-    assert meta["partition"] == "head-dim"
+    assert meta["partition"] == "regime"  # the default; each head dim's shapes are all small here
     assert [(p["name"], p["trials"]) for p in meta["partitions"]] == [(n, p.trials) for n, p in parts.items()]
     records = RunDir(run).results()
     assert Counter(r["partition"] for r in records) == {n: p.trials for n, p in parts.items()}
@@ -169,7 +191,7 @@ def test_a_resumed_search_continues_each_partitions_budget(tmp_path: Path, recor
     assert check_records(RunDir(run)) == ""
     capsys.readouterr()
     assert _search(space_yaml, recorded, run, "--resume", "--partition", "none") == 2
-    assert "--partition head-dim" in capsys.readouterr().err
+    assert "--partition regime" in capsys.readouterr().err
     assert _search(space_yaml, recorded, tmp_path / "few", "--trials", "3") == 2
     assert "fewer evaluations than the 4 partitions" in capsys.readouterr().err
     assert not (tmp_path / "few").exists()

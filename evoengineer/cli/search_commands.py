@@ -597,10 +597,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "A search of one shape finds its own winner, e.g. --shape 1,8,512,64 for the small, "
                         "latency-bound shape (--partition shape: each shape so)")
     p.add_argument("--partition", choices=PARTITION_BY,
-                   help="search each part of the space's cases on its own, as export dispatches: head-dim (default) "
+                   help="search each part of the space's cases on its own, as export dispatches: head-dim: "
                         "one search per dtype, head dim and decode or not, each with the configurations valid at "
-                        "its head dim and its share of the budget; shape: one per shape (what --shape does, for "
-                        "every shape); none: one geometric mean over every case")
+                        "its head dim and its share of the budget; regime (default): as head-dim, a head dim's "
+                        "small shapes (fewer 128-row tiles than SMs) apart from its large ones; shape: one per "
+                        "shape (what --shape does, for every shape); none: one geometric mean over every case")
     p.add_argument("--add-shape", action="append", metavar="B,H,S,D", dest="add_shape",
                    help="also search this shape, which the space does not list, full and causal, in the space's "
                         "dtypes (repeatable; alone, the search covers only the added shapes), e.g. --add-shape "

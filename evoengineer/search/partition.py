@@ -8,6 +8,11 @@ configuration valid at one head dim only (a D64 tile too large for D128's regist
 in the space's valid set at all, and one that is fast on one head dim but slow on another
 loses to a compromise. So a search by default partitions the space's cases by
 
+* ``regime`` (the default): as ``head-dim``, and within a head dim whose shapes are of both
+  regimes, the small shapes (``small_shape``: one partial wave, latency-bound) apart from the
+  large ones, as ``D64 small`` beside ``D64``: a tile that wins a shape filling the GPU many
+  times over (192 rows of three consumer warpgroups) loses a shape of 32 tiles, and one geometric
+  mean over both picked neither.
 * ``head-dim``: (dtype, head dim, decode, packed sequences or neither): each partition the space narrowed to its
   cases, searched with its own valid set (``MAX_HEAD_DIM`` and ``MIN_HEAD_DIM`` are its head
   dim's), its own strategy state (its own Optuna study in the run's storage) and its share of
@@ -32,7 +37,7 @@ from typing import Any, Sequence
 
 from ..space import Case, Space
 
-PARTITION_BY = ("head-dim", "shape", "none")
+PARTITION_BY = ("regime", "head-dim", "shape", "none")
 """How a search partitions a space's cases (``--partition``); the first is the default."""
 DEFAULT_PARTITION = PARTITION_BY[0]
 
@@ -58,6 +63,19 @@ class Partition:
         return {"name": self.name, "study": self.study_name(run_study), "trials": self.trials, "cases": self.labels}
 
 
+REGIME_TILE_ROWS = 128
+"""The query rows of a work tile ``small_shape`` counts tiles of (the paths' common BLOCK_M)."""
+
+
+def small_shape(case: Case, sms: int) -> bool:
+    """Whether ``case`` gives fewer work tiles of ``REGIME_TILE_ROWS`` query rows than the GPU has
+    ``sms``: its kernel runs one partial wave and its time is a tile's latency. Decode and packed
+    sequences are partitions of their own and never small."""
+    if case.seq == 1 or case.lengths:
+        return False
+    return case.batch * case.heads * -(-case.seq // REGIME_TILE_ROWS) < sms
+
+
 def _name(case: Case, by: str) -> str:
     dtype = "" if case.dtype == "fp16" else f" {case.dtype}"  # as case labels: fp16 unnamed
     if by == "shape":
@@ -76,8 +94,23 @@ def split_cases(space: Space, by: str) -> list[tuple[str, Space]]:
         return [("", space)]
     groups: dict[str, list[Case]] = {}
     for case in space.cases:
-        groups.setdefault(_name(case, by), []).append(case)
+        groups.setdefault(_name(case, "head-dim" if by == "regime" else by), []).append(case)
+    if by == "regime":
+        groups = _by_regime(groups, space.target.sms)
     return [(name, replace(space, cases=tuple(cases)).reseeded()) for name, cases in groups.items()]
+
+
+def _by_regime(groups: dict[str, list[Case]], sms: int) -> dict[str, list[Case]]:
+    """Each group whose cases are of both regimes split in two, the small shapes' part named with
+    `` small`` after the head dim (``D64 small bf16``); parts in the order their cases first appear."""
+    split: dict[str, list[Case]] = {}
+    for name, cases in groups.items():
+        regimes = {small_shape(c, sms) for c in cases}
+        head, _, rest = name.partition(" ")
+        for case in cases:
+            small = len(regimes) == 2 and small_shape(case, sms)
+            split.setdefault(f"{head} small{' ' + rest if rest else ''}" if small else name, []).append(case)
+    return split
 
 
 def budget_shares(total: int, sizes: Sequence[int]) -> list[int]:
