@@ -299,6 +299,8 @@ def cmd_search(args: argparse.Namespace) -> int:
                       + ", ".join(f"{p.name} {p.trials}" for p in partitions), soft_wrap=True)
     console.print(f"dashboard: optuna-dashboard {storage}", soft_wrap=True)
 
+    for study in studies:  # the strategies' valid sets and tables, before the search's clock starts
+        getattr(study.sampler, "warm", lambda: None)()
     stats = SearchStats(devices=len(evaluators))
     with _SearchProgress(partitions, baseline, console, done=len(run.results()),
                          disable=args.quiet or args.json) as progress:

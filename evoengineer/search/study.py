@@ -398,12 +398,14 @@ def _create_running(study: optuna.Study, user_attrs: dict[str, Any]) -> "int | o
     with internals.transaction(rdb) as session:
         # the study's row locked first, as Optuna does: trial numbers are counts of the trials before
         session.execute(sqlalchemy.select(studies.c.study_id).where(studies.c.study_id == study_id).with_for_update())
-        trial_id = session.execute(sqlalchemy.insert(trials).values(
-            study_id=study_id, number=None, state=optuna.trial.TrialState.RUNNING,
-            datetime_start=started)).inserted_primary_key[0]
-        number = session.execute(sqlalchemy.select(sqlalchemy.func.count(trials.c.trial_id)).where(
-            trials.c.study_id == study_id, trials.c.trial_id < trial_id)).scalar_one()
-        session.execute(sqlalchemy.update(trials).where(trials.c.trial_id == trial_id).values(number=number))
+        # numbered in the insert: with the study locked, the trials before it are the study's trials
+        before = sqlalchemy.select(sqlalchemy.literal(study_id, trials.c.study_id.type),
+                                   sqlalchemy.func.count(trials.c.trial_id),
+                                   sqlalchemy.literal(optuna.trial.TrialState.RUNNING, trials.c.state.type),
+                                   sqlalchemy.literal(started, trials.c.datetime_start.type)
+                                   ).where(trials.c.study_id == study_id)
+        trial_id, number = session.execute(sqlalchemy.insert(trials).from_select(
+            ["study_id", "number", "state", "datetime_start"], before).returning(trials.c.trial_id, trials.c.number)).one()
         if user_attrs:
             session.execute(sqlalchemy.insert(models.TrialUserAttributeModel.__table__), [
                 {"trial_id": trial_id, "key": key, "value_json": json.dumps(value)} for key, value in user_attrs.items()])

@@ -540,8 +540,18 @@ class Space:
                     and not self.violations(config):
                 yield config
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without ``valid_list`` (a process it is sent to enumerates its own if it needs one)."""
+        return {k: v for k, v in self.__dict__.items() if k != "valid_list"}
+
+    @cached_property
+    def valid_list(self) -> tuple[Config, ...]:
+        """``valid_configs`` as a tuple, enumerated once per space object: a search's partition
+        plan, its strategies and its progress read the same enumeration."""
+        return tuple(self.valid_configs())
+
     def valid_size(self) -> int:
-        return sum(1 for _ in self.valid_configs())
+        return len(self.valid_list)
 
     def sample(self, n: int, rng: random.Random | None = None) -> list[Config]:
         """``n`` distinct valid configurations drawn uniformly (all of them if fewer)."""

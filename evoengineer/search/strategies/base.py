@@ -375,7 +375,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
     def valid(self) -> list[Config]:
         """Every valid configuration, in the space's enumeration order (computed once)."""
         if self._valid is None:
-            valid = list(self.space.valid_configs())
+            valid = list(self.space.valid_list)
             if not valid:
                 raise ValueError(f"space {self.space.name!r} has no valid configuration")
             self._valid, self._valid_set = valid, frozenset(valid)
@@ -392,6 +392,11 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
     def is_new(self, config: Config, history: History) -> bool:
         """Valid under the space's constraints and not yet in the study."""
         return config in self.valid_set and config not in history.seen
+
+    def warm(self) -> None:
+        """Build what the first proposal would (the valid set; a strategy adds its tables), so
+        that a search does it before its clock starts, not on its first asks."""
+        self.valid  # noqa: B018 - fills the cache
 
     def random_unseen(self, history: History) -> Config:
         """A uniformly drawn valid configuration the study does not hold."""

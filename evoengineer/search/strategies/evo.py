@@ -336,6 +336,11 @@ class EvoSampler(SpaceSampler):
             start, size = start + size, 2 * size
         return int(np.argmax(score))
 
+    def warm(self) -> None:
+        super().warm()
+        self.tables  # noqa: B018 - the encoded valid set and its neighbourhoods
+        self.valid_of  # noqa: B018
+
     @property
     def tables(self) -> "_Tables":
         if self._tables is None:
