@@ -475,19 +475,23 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
             return self._batch(study, None, history, k, rng, background=True)
 
     def _fill_remote(self, k: int, label: str) -> bool:
-        """The next batch from the batch process: False if it failed (then computed here)."""
+        """The next batch from the batch process: False if it failed (then computed here). The
+        wait for the process holds no lock: an ask that finds the queue empty meanwhile computes
+        its own batch rather than wait (a process's first batch, which loads the study, can take
+        a second); proposals the study holds by then are skipped when taken."""
         with self._compute:
             queued = [p.config for p in self._queue]
-            want = k - len(queued)
-            if want <= 0:
-                return True
-            rows = self._remote.batch(want, queued, label)
-            if rows is None:
-                return False
+        want = k - len(queued)
+        if want <= 0:
+            return True
+        rows = self._remote.batch(want, queued, label)
+        if rows is None:
+            return False
+        with self._compute:
             self.valid  # noqa: B018 - the reader's table of the space's own configuration objects
             own = lambda values: self._reader._interned(self.space.config(values))  # noqa: E731
             self._queue.extend(Proposal(own(c), origin, tuple(own(p) for p in parents)) for c, origin, parents in rows)
-            return True
+        return True
 
     def _fill(self, study: Study, k: int, label: str) -> None:
         try:

@@ -40,7 +40,7 @@ class BatchProcess:
 
     @property
     def ready(self) -> bool:
-        """Whether the child has started (its imports done, the space enumerated)."""
+        """Whether the child has started (its imports done, the space enumerated, the storage open)."""
         if not self._ready:
             with self._lock:
                 try:
@@ -116,7 +116,11 @@ def _serve(conn: Any, recipe: Recipe, url: str, study_name: str, batch_size: int
     sampler = cls(space, seed=seed, **options)
     sampler.recipe = recipe
     sampler.batch_size = batch_size
-    sampler.valid  # noqa: B018 - the space enumerated before the first request
+    sampler.warm()  # the space enumerated, the strategy's tables built, before the first request
+    try:
+        storage = make_storage(url, heartbeat_s=None)  # its engine made and the schema checked, too
+    except Exception:  # noqa: BLE001 - made again at the first request, whose failure is answered
+        storage = None
     conn.send("ready")
     study = None
     while True:
@@ -129,7 +133,7 @@ def _serve(conn: Any, recipe: Recipe, url: str, study_name: str, batch_size: int
         want, skip, label = request
         try:
             if study is None:
-                study = optuna.load_study(study_name=study_name, storage=make_storage(url, heartbeat_s=None),
+                study = optuna.load_study(study_name=study_name, storage=storage or make_storage(url, heartbeat_s=None),
                                           sampler=sampler)
             history = sampler.history(study)
             history.seen.update(space.config(c) for c in skip)
