@@ -37,7 +37,7 @@ from ..search import (
 )
 from ..search.loop import AheadBuilds, build_ahead, compile_pool, writing
 from ..search.strategies import SAMPLERS, sampler_recipe
-from ..search.strategies.remote import close_started, start_ahead
+from ..search.strategies.remote import close_started, start_ahead, wanted as batch_process_wanted
 from ..search.study import prepare_storage
 from ..search.partition import DEFAULT_PARTITION, PARTITION_BY, Partition, narrow_evaluator, plan
 from ..search.optuna_internals import unsupported_reason
@@ -265,7 +265,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replay": str(replay.path) if replay else None,
                     "shapes": args.shape or None, "added_shapes": args.add_shape or None, "partition": partition_by}
         prepare_storage(storage)  # searches that start together race to make a new database's tables: not after SDPA's timing
-        if len(devices) > 1:  # each partition's strategy computes its batches in a process: started now, beside the GPUs'
+        if batch_process_wanted(len(devices)):  # each partition's strategy's batch process: started now, beside the GPUs'
             for part in partitions:
                 start_ahead(sampler_recipe(strategy, part.space, seed=seed), storage, part.study_name(meta["study_name"]),
                             len(devices))

@@ -35,6 +35,7 @@ from .cpus import compile_plan, restrict_to
 from .ledger import Ledger
 from .partition import narrow_evaluator
 from .strategies import make_sampler, suggest_config
+from .strategies.remote import wanted as batch_process_wanted
 from .study import (
     DEFAULT_HEARTBEAT_S,
     GRACE_BEATS,
@@ -1017,7 +1018,7 @@ class _Proposer:
             sampler.batch_size = self.devices
             sampler.identity = identity  # another search on the study, of the same seed, draws other batches
         rdb = internals.rdb_backend(study)
-        if self.enabled and self.devices > 1 and rdb is not None and hasattr(sampler, "use_process"):
+        if self.enabled and batch_process_wanted(self.devices) and rdb is not None and hasattr(sampler, "use_process"):
             sampler.use_process(rdb.url, study.study_name)  # off this process's interpreter lock
         if hasattr(sampler, "claim_params"):
             sampler.claim_params = True  # the ask stores the parameters with the claim: one transaction

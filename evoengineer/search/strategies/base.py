@@ -155,7 +155,8 @@ class HistoryReader:
         self._log: list[Folded] = []  # a new list after a reset: a strategy's cursor into the old one is void
         self._maximize = False
 
-    def _interned(self, config: Config | None) -> Config | None:
+    def interned(self, config: Config | None) -> Config | None:
+        """The space's own object for ``config`` (sets and dicts of them then match by identity)."""
         if config is None or self.intern is None:
             return config
         return self.intern.get(config, config)
@@ -192,7 +193,7 @@ class HistoryReader:
                 pending.append(t)
         history = self._history(n_trials)
         for t in pending:
-            config = self._interned(trial_config(t, self.names, self.space))
+            config = self.interned(trial_config(t, self.names, self.space))
             if config is not None:
                 history.seen.add(config)
         return history
@@ -203,7 +204,7 @@ class HistoryReader:
     def _fold_values(self, trial_id: int, number: int, state: TrialState, value: float | None,
                      config: Config | None, maximize: bool) -> None:
         self._known.add(trial_id)
-        config = self._interned(config)
+        config = self.interned(config)
         if config is None:
             return
         self._log.append(Folded(config, state, value, number))
@@ -262,7 +263,7 @@ class HistoryReader:
         self._recent = {i for i in self._recent if i >= self._low}
         excluded = sum(1 for t in trials.values() if t.number == exclude)
         history = self._history(len(self._known) + len(pending) - excluded)
-        history.seen.update(c for c in (self._interned(configs.get(t.trial_id)) for t in pending if t.number != exclude)
+        history.seen.update(c for c in (self.interned(configs.get(t.trial_id)) for t in pending if t.number != exclude)
                             if c is not None)
         return history
 
@@ -489,7 +490,7 @@ class SpaceSampler(optuna.samplers.BaseSampler, abc.ABC):
             return False
         with self._compute:
             self.valid  # noqa: B018 - the reader's table of the space's own configuration objects
-            own = lambda values: self._reader._interned(self.space.config(values))  # noqa: E731
+            own = lambda values: self._reader.interned(self.space.config(values))  # noqa: E731
             self._queue.extend(Proposal(own(c), origin, tuple(own(p) for p in parents)) for c, origin, parents in rows)
         return True
 

@@ -73,6 +73,12 @@ class BatchProcess:
         self._conn.close()
 
 
+def wanted(devices: int) -> bool:
+    """Whether a search on ``devices`` devices computes its strategies' batches in a process
+    (with its study in an RDB storage): on one device the batches keep up in the search's own."""
+    return devices > 1
+
+
 _STARTED: dict[str, BatchProcess] = {}
 """Batch processes started ahead of their search (``start_ahead``), by study name."""
 
