@@ -158,6 +158,52 @@ def test_a_batch_process_computes_the_batch_this_process_would(tmp_path: Path) -
     assert sampler._remote is None
 
 
+def test_an_ask_computes_its_own_batch_while_the_batch_process_is_slow_to_answer(tmp_path: Path) -> None:
+    """A background request waiting on the batch process (stopped here with SIGSTOP, as a first
+    batch that loads the study keeps it busy) holds no lock an ask needs: the ask proposes from a
+    batch computed in this process, and the process's batch joins the queue when it answers."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from evoengineer.search import make_storage
+
+    replay = ReplayEvaluator(SMALL)
+    space = replay.space()
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    sampler = make_sampler("evo", space, seed=2)
+    study = optuna.create_study(storage=make_storage(url, heartbeat_s=None), sampler=sampler, study_name="s")
+    for _ in range(12):
+        _batch_round(study, space, replay, 1)
+    sampler.batch_size = 4
+    sampler.use_process(url, "s")
+    child = sampler._remote._process.pid
+    try:
+        deadline = time.monotonic() + 120
+        while not sampler._remote.ready and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sampler._remote.ready
+        os.kill(child, signal.SIGSTOP)
+        sampler.prefetch(study, 4)
+        time.sleep(0.2)
+        assert sampler._background.is_alive()  # waiting for the stopped process
+        computed = sampler.batch_stats["batches"]
+        taken: list[Config] = []
+        ask = threading.Thread(target=lambda: taken.extend(_batch_round(study, space, replay, 1)), daemon=True)
+        ask.start()
+        ask.join(timeout=20)
+        assert not ask.is_alive() and len(taken) == 1  # it did not wait for the stopped process
+        assert sampler.batch_stats["batches"] == computed + 1  # its batch, computed here
+        os.kill(child, signal.SIGCONT)
+        sampler.wait_prefetch(timeout=60)
+        assert not sampler._background.is_alive()
+        assert len(sampler._queue) == 3 + 4  # the rest of its batch, then the process's
+    finally:
+        os.kill(child, signal.SIGCONT)
+        sampler.close_process()
+
+
 @pytest.mark.parametrize("devices", [1, 8])
 def test_search_on_simulated_devices_keeps_the_budget_exact(tmp_path: Path, devices: int) -> None:
     # 50 ms an evaluation: on a loaded 2-core machine 10 ms let one of 8 lanes find the budget gone
