@@ -157,6 +157,7 @@ def test_every_mma_configuration_of_the_backward_space_renders_with_the_features
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 1,336 kernel sets on two cores, beside the other slow tests: near 600 s
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_mma_configuration_of_the_backward_space_compiles_with_the_features(arch: str) -> None:
     """The full sweep (--slow): every mma configuration of h100-backward at both head dims, causal and
