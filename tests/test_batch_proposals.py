@@ -120,6 +120,20 @@ def test_two_searches_of_one_seed_prefetch_different_batches() -> None:
     assert batch("run-a") != batch("run-b")
 
 
+def _sqlite_study_of_12(tmp_path: Path) -> tuple[ReplayEvaluator, str, optuna.Study]:
+    """(the small recording, a SQLite study's URL, the study: evo of seed 2, 12 trials told)."""
+    from evoengineer.search import make_storage
+
+    replay = ReplayEvaluator(SMALL)
+    space = replay.space()
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(storage=make_storage(url, heartbeat_s=None), sampler=make_sampler("evo", space, seed=2),
+                                study_name="s")
+    for _ in range(12):
+        _batch_round(study, space, replay, 1)
+    return replay, url, study
+
+
 def test_a_batch_process_computes_the_batch_this_process_would(tmp_path: Path) -> None:
     """The batch process's sampler (made as the search's was) reads the study from its storage
     and proposes what a sampler made the same way proposes here; the prefetched batch comes from
@@ -127,15 +141,8 @@ def test_a_batch_process_computes_the_batch_this_process_would(tmp_path: Path) -
     import random
     import time
 
-    from evoengineer.search import make_storage
-
-    replay = ReplayEvaluator(SMALL)
-    space = replay.space()
-    url = f"sqlite:///{tmp_path / 'study.db'}"
-    sampler = make_sampler("evo", space, seed=2)
-    study = optuna.create_study(storage=make_storage(url, heartbeat_s=None), sampler=sampler, study_name="s")
-    for _ in range(12):
-        _batch_round(study, space, replay, 1)
+    replay, url, study = _sqlite_study_of_12(tmp_path)
+    space, sampler = replay.space(), study.sampler
     here = make_sampler("evo", space, seed=2)
     expected = [p.config for p in here.compute_batch(study, here.history(study), 8, random.Random("label"))]
     sampler.use_process(url, "s")
@@ -167,15 +174,8 @@ def test_an_ask_computes_its_own_batch_while_the_batch_process_is_slow_to_answer
     import threading
     import time
 
-    from evoengineer.search import make_storage
-
-    replay = ReplayEvaluator(SMALL)
-    space = replay.space()
-    url = f"sqlite:///{tmp_path / 'study.db'}"
-    sampler = make_sampler("evo", space, seed=2)
-    study = optuna.create_study(storage=make_storage(url, heartbeat_s=None), sampler=sampler, study_name="s")
-    for _ in range(12):
-        _batch_round(study, space, replay, 1)
+    replay, url, study = _sqlite_study_of_12(tmp_path)
+    space, sampler = replay.space(), study.sampler
     sampler.batch_size = 4
     sampler.use_process(url, "s")
     child = sampler._remote._process.pid
