@@ -164,6 +164,40 @@ def test_offsets_that_do_not_fit_the_tensors_are_refused_before_anything_runs(mo
     assert module.fallback_counts() == {}
 
 
+def test_offsets_written_in_place_after_a_call_are_checked_again(module) -> None:
+    q, k, v, cu_q, cu_k = packed([3, 5], [4, 6])
+    module.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, fallback="sdpa")
+    cu_q[1] = 6   # the same tensor, now a second sequence of 2 queries that the first one's 6 overrun
+    module.attention_varlen(q, k, v, cu_q, cu_k, 6, 6, fallback="sdpa")
+    cu_q[2] = 7
+    assert "cu_seqlens_q ends at 7 but q holds 8 tokens" in _error(module, q, k, v, cu_q, cu_k, 6, 6, fallback="sdpa")
+    with torch.inference_mode():
+        frozen_q = torch.tensor([0, 6, 8], dtype=torch.int32)
+        module.attention_varlen(q, k, v, frozen_q, cu_k, 6, 6, fallback="sdpa")
+        frozen_q[2] = 7   # inference tensors keep no version counter: read again on every call
+        assert "ends at 7" in _error(module, q, k, v, frozen_q, cu_k, 6, 6, fallback="sdpa")
+
+
+def test_a_pair_of_offsets_is_read_once_while_torch_sees_neither_written() -> None:
+    checked = V.CheckedOffsets()
+    cu_q, cu_k = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 4, 10], dtype=torch.int32)
+    first = checked.get(cu_q, cu_k, 8, 10, 5, 6)
+    assert first == ([0, 3, 8], [0, 4, 10])
+    assert checked.get(cu_q, cu_k, 8, 10, 5, 6) is first                  # reused, not read again
+    assert checked.get(cu_q.clone(), cu_k, 8, 10, 5, 6) is not first      # another tensor: read
+    with pytest.raises(ValueError, match="more than max_seqlen_q = 4"):
+        checked.get(cu_q, cu_k, 8, 10, 4, 6)                              # other maxima: checked again
+    cu_k.add_(0)                                                          # a write through torch
+    again = checked.get(cu_q, cu_k, 8, 10, 5, 6)
+    assert again == first and again is not first
+    pairs = [(torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 10], dtype=torch.int32))
+             for _ in range(V.CheckedOffsets.SIZE)]
+    for pair in pairs:
+        checked.get(*pair, 8, 10, 8, 10)
+    assert checked.get(cu_q, cu_k, 8, 10, 5, 6) is not again              # the oldest pairs make room
+    assert checked.get(*pairs[-1], 8, 10, 8, 10) == ([0, 8], [0, 10])
+
+
 # -- the fallback and the reference ----------------------------------------------------------------------
 
 

@@ -19,15 +19,20 @@ sequence without queries writes nothing. The kernels are the mma or wgmma path's
 A kernel that loads by TMA gets its tensor maps over the packed tensors as one batch of all
 their tokens (``packed_view``): a sequence's tiles start at its offset row.
 
-The offsets are read once per call (one small copy to the host) and checked: starting at 0, not
-decreasing, ending at q's and k's token counts, no sequence longer than its max_seqlen. While a
-CUDA graph is being captured they cannot be read and are taken as given, as flash-attn takes them.
+The offsets are read (one small copy to the host, which waits for the GPU) and checked: starting
+at 0, not decreasing, ending at q's and k's token counts, no sequence longer than its max_seqlen.
+A check holds for the same two tensors while torch's version counter says neither was written
+(``CheckedOffsets``): a model's layers, called with one pair, copy it once. Contents written
+behind torch's back (a raw kernel, a CUDA graph's replay) are not read again, nor, while a CUDA
+graph is being captured, at all: they are taken as given, as flash-attn takes them.
 ``fallback='sdpa'`` runs SDPA per sequence for a call no kernel covers, and for a call whose
 inputs require grad (the backward kernels take no packed sequences), counted in
 ``fallback_counts()``; without it such calls raise in one line.
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -127,6 +132,38 @@ def check_offsets(cu_seqlens_q: Any, cu_seqlens_k: Any, total_q: int, total_k: i
     return offsets_q, offsets_k
 
 
+class CheckedOffsets:
+    """The offsets of the last few (cu_seqlens_q, cu_seqlens_k) pairs ``check_offsets`` passed,
+    each held while both tensors live and torch's version counter says neither was written since:
+    a call with the same pair, token counts and maxima reuses the check instead of copying the
+    offsets to the host again. Inference tensors keep no version counter: they are read each call."""
+
+    SIZE = 8
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, int], tuple[Any, Any, tuple, tuple[list[int], list[int]]]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, cu_seqlens_q: Any, cu_seqlens_k: Any, total_q: int, total_k: int, max_seqlen_q: int,
+            max_seqlen_k: int) -> tuple[list[int], list[int]]:
+        """``check_offsets(...)``, or its result for this pair when it holds still."""
+        if cu_seqlens_q.is_inference() or cu_seqlens_k.is_inference():
+            return check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+        key = (id(cu_seqlens_q), id(cu_seqlens_k))
+        stamp = (cu_seqlens_q._version, cu_seqlens_k._version, total_q, total_k, max_seqlen_q, max_seqlen_k)
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is not None and entry[0]() is cu_seqlens_q and entry[1]() is cu_seqlens_k and entry[2] == stamp:
+            return entry[3]
+        offsets = check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+        with self._lock:
+            self._entries.pop(key, None)
+            while len(self._entries) >= self.SIZE:
+                del self._entries[next(iter(self._entries))]
+            self._entries[key] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), stamp, offsets)
+        return offsets
+
+
 def offsets_of(lengths: Any) -> list[int]:
     """The offsets (``cu_seqlens``, batch + 1) of packed sequences of these lengths."""
     offsets = [0]
@@ -210,6 +247,7 @@ class VarlenLauncher:
     def __init__(self, launcher: Launcher) -> None:
         self.launcher = launcher
         self.fallbacks: FallbackCounts = launcher.fallbacks
+        self.checked = CheckedOffsets()
         self.forward = self._make_forward()
 
     def plan(self, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
@@ -268,7 +306,7 @@ class VarlenLauncher:
                                       strides, scale, features=features, maps=maps, map_at=map_at, keep=keep)
 
     def _make_forward(self) -> Callable[..., Any]:
-        plan_of, counts, capturing = self.plan, self.fallbacks, CAPTURING
+        plan_of, counts, capturing, checked = self.plan, self.fallbacks, CAPTURING, self.checked.get
 
         def forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int, max_seqlen_k: int,
                     is_causal: bool, scale: float | None, features: CallFeatures, fallback: str | None) -> Any:
@@ -277,7 +315,7 @@ class VarlenLauncher:
                            fallback)
             offsets = None
             if not (q.is_meta or cu_seqlens_q.is_meta or (q.is_cuda and capturing())):
-                offsets = check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+                offsets = checked(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
             if plan.fallback is not None:
                 counts.add(plan.fallback)
                 if offsets is None:
@@ -367,8 +405,8 @@ def make_varlen_attention(forward: Forward, op: Any, with_grad: Forward) -> Call
         1/sqrt(head_dim); ``softcap``: scores become softcap * tanh(score * scale / softcap). A
         query that sees no key gives 0. ``fallback='sdpa'``: SDPA per sequence where no kernel
         serves the call or its inputs require grad (counted in fallback_counts()); None: such a
-        call raises. The offsets are checked (one copy to the host) except while a CUDA graph is
-        captured."""
+        call raises. The offsets are checked (one copy to the host, again only once either tensor
+        is written through torch or another pair is passed) except while a CUDA graph is captured."""
         features = varlen_features(window_size, softcap)
         check_fallback(fallback)
         if grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):

@@ -196,6 +196,10 @@ def test_offsets_on_the_gpu_are_checked_and_uncovered_calls_run_the_fallback(mod
         module.attention_varlen(q, k, v, bad, cu_k, 9, 9)
     with pytest.raises(ValueError, match="sequence 1 has 9 queries, more than max_seqlen_q = 8"):
         module.attention_varlen(q, k, v, cu_q, cu_k, 8, 9)
+    module.attention_varlen(q, k, v, cu_q, cu_k, 9, 9)
+    cu_q[1] = 15  # after a call with this pair: written in place through torch, so read again
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must start at 0 and not decrease, got \[0, 15, 14\]"):
+        module.attention_varlen(q, k, v, cu_q, cu_k, 9, 9)
     with pytest.raises(ValueError, match="cu_seqlens_k must be on q's device"):
         module.attention_varlen(q, k, v, cu_q, cu_k.cpu(), 9, 9)
     odd = packed([5, 9], [6, 9], 4, 4, 96, torch.float16, seed=10)
