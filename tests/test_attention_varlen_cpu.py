@@ -167,7 +167,7 @@ def test_offsets_that_do_not_fit_the_tensors_are_refused_before_anything_runs(mo
 def test_offsets_written_in_place_after_a_call_are_checked_again(module) -> None:
     q, k, v, cu_q, cu_k = packed([3, 5], [4, 6])
     module.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, fallback="sdpa")
-    cu_q[1] = 6   # the same tensor, now a second sequence of 2 queries that the first one's 6 overrun
+    cu_q[1] = 6   # the same tensor written through torch: sequences of 6 and 2 queries now
     module.attention_varlen(q, k, v, cu_q, cu_k, 6, 6, fallback="sdpa")
     cu_q[2] = 7
     assert "cu_seqlens_q ends at 7 but q holds 8 tokens" in _error(module, q, k, v, cu_q, cu_k, 6, 6, fallback="sdpa")
