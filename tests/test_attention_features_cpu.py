@@ -45,7 +45,7 @@ def test_each_switch_adds_its_arguments_and_its_feature_name() -> None:
     source = render("flash_attention", Config(BASE), Variant(64, True, "bf16", ("seqlens", "softcap", "window"))).source
     assert "// FEATURES seqlens softcap window" in source
     signature = next(line for line in source.splitlines() if "attn_fwd(" in line)
-    assert signature.rstrip(") {").endswith("float scale_log2, const int* seqlens_k, const int* leftpad_k, float softcap, "
+    assert signature.rstrip(") {").endswith("float scale_log2, const int* seqlens_k, const int* leftpad_k, const int* seqlens_q, float softcap, "
                                             "int window_left, int window_right")
     rendered = render("flash_attention", Config(BASE), Variant(64, False, "fp16", ("window",)))
     assert rendered.features == ("window",) and rendered.arguments[-2:] == [("window_left", "i32"), ("window_right", "i32")]
@@ -190,6 +190,7 @@ def test_call_features_and_what_they_need() -> None:
     assert F.call_features((-1, 0)).needed(False) == ("window",)
     assert F.call_features((3, -1), 30.0).needed(True) == ("softcap", "window")
     assert F.call_features(seqlens_k=torch.zeros(2, dtype=torch.int32)).needed(False) == ("seqlens",)
+    assert F.call_features(seqlens_q=torch.zeros(2, dtype=torch.int32)).needed(True) == ("seqlens",)
     for bad, message in (((-2, 0), "sides are -1"), ((1,), r"\(left, right\)")):
         with pytest.raises(ValueError, match=message):
             F.call_features(bad)
@@ -198,6 +199,8 @@ def test_call_features_and_what_they_need() -> None:
     q = torch.zeros(3, 2, 4, 8)
     with pytest.raises(ValueError, match=r"seqlens_k must be an int32 tensor of shape \(batch,\) = \(3,\)"):
         F.check_ranges(q, torch.zeros(3, dtype=torch.int64), None)
+    with pytest.raises(ValueError, match=r"seqlens_q must be an int32 tensor of shape \(batch,\) = \(3,\)"):
+        F.check_ranges(q, None, None, torch.zeros(2, dtype=torch.int32))
 
 
 def test_the_reference_soft_caps_windows_and_zeroes_rows_that_see_nothing() -> None:
@@ -212,6 +215,13 @@ def test_the_reference_soft_caps_windows_and_zeroes_rows_that_see_nothing() -> N
     expected = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0) @ v
     torch.testing.assert_close(out, expected)
     assert torch.equal(out[1, :, :3], torch.zeros(2, 3, 16))  # queries 0..2 of batch 1 see no key
+    lengths = torch.tensor([5, 2], dtype=torch.int32)
+    padded = F.reference_attention(q, k, v, True, 0.5, False, F.CallFeatures(seqlens=True), lengths, seqlens_q=lengths)
+    full = F.reference_attention(q, k, v, True, 0.5, False, F.CallFeatures(seqlens=True), lengths)
+    assert torch.equal(padded[1, :, 2:], torch.zeros(2, 3, 16))   # batch 1's queries past its length: 0
+    torch.testing.assert_close(padded[1, :, :2], full[1, :, :2])
+    torch.testing.assert_close(padded[0], full[0])
+    assert full[1, :, 2:].abs().sum() > 0   # without seqlens_q those rows see batch 1's two keys
 
 
 # -- the kernel a call runs -------------------------------------------------------------------------------
@@ -276,9 +286,12 @@ def test_the_fallback_is_off_by_default_and_runs_sdpa_counted_per_reason(module)
     expected = F.reference_attention(q.float(), k.float(), v.float(), True, None, False,
                                      F.CallFeatures(2, 0, 5.0, True), lengths)
     torch.testing.assert_close(windowed, expected)
+    padded = module.attention(q.float(), k.float(), v.float(), True, seqlens_k=lengths, seqlens_q=lengths,
+                              fallback="sdpa")
+    assert torch.equal(padded[1, :, 3:], torch.zeros(4, 4, 64)) and padded[1, :, :3].abs().sum() > 0
     counts = module.fallback_counts()
     assert counts == {"q, k and v must be CUDA tensors, got device cpu": 1,
-                      "dtype torch.float32 has no exported kernel; this module covers torch.float16": 1}
+                      "dtype torch.float32 has no exported kernel; this module covers torch.float16": 2}
     plan = module.explain(q, k, v, is_causal=True, fallback="sdpa")
     assert plan["config"] is None and plan["fallback"] == "sdpa" and "CUDA tensors" in plan["reason"]
     assert plan["fallback_counts"] == counts   # explain runs nothing
@@ -321,7 +334,7 @@ def test_a_call_with_features_that_needs_a_gradient_trains_through_the_kernels_o
     module.fallback_counts(reset=True)
     module.attention(q, k, v, True, seqlens_k=lengths, fallback="sdpa")
     assert module.fallback_counts() == {"a gradient is needed (q, k or v requires grad) and the backward kernels have "
-                                        "no per-batch key ranges (seqlens_k, leftpad_k)": 1}
+                                        "no per-batch key ranges or query lengths (seqlens_k, leftpad_k, seqlens_q)": 1}
     module.fallback_counts(reset=True)
     plain = module.attention(q, k, v, is_causal=True, fallback="sdpa")   # the training path's checks: CPU is uncovered
     assert plain.requires_grad

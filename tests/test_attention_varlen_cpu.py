@@ -21,12 +21,12 @@ from evoengineer.space import Config, Variant
 
 BASE = {"PATH": "mma", "BLOCK_M": 64, "BLOCK_N": 64, "WARPS": 4, "VEC": 8}
 
-# sha256 (first 16 hex digits) of renders with the other switches, made before VARLEN existed:
-# without it those kernels must stay exactly these
+# sha256 (first 16 hex digits) of renders with the other switches, made before VARLEN existed
+# (seqlens: since it takes seqlens_q): without it those kernels must stay exactly these
 BEFORE_VARLEN = {
-    ((), 64, True, "fp16", ("seqlens", "softcap", "window")): "9c9752603b5245ee",
-    ((("SPLITS", 2), ("PACK_GQA", 1)), 128, False, "bf16", ("seqlens", "softcap", "window")): "9515311d515de3e9",
-    ((("KV_GROUPS", 2), ("WARPS", 8)), 64, True, "fp16", ("seqlens",)): "1bd216a18bf9ea94",
+    ((), 64, True, "fp16", ("seqlens", "softcap", "window")): "6f6255f29b14c8f6",
+    ((("SPLITS", 2), ("PACK_GQA", 1)), 128, False, "bf16", ("seqlens", "softcap", "window")): "af5608dd337ef3f8",
+    ((("KV_GROUPS", 2), ("WARPS", 8)), 64, True, "fp16", ("seqlens",)): "cf1521745618d641",
     ((), 128, False, "bf16", ("window",)): "0672d3b9fbd9e046",
     ((("STAGES", 1), ("Q_IN_REGS", 0)), 64, True, "fp16", ("softcap",)): "ba453402e0f09fd5",
 }
@@ -49,9 +49,9 @@ def test_the_varlen_switch_adds_its_offsets_between_softcap_and_window() -> None
     for kernel in ("attn_fwd", "attn_combine"):   # both launches take the same arguments
         signature = next(line for line in every.source.splitlines() if f" {kernel}(" in line)
         assert signature.rstrip(") {").endswith("float scale_log2, const int* seqlens_k, const int* leftpad_k, "
-                                                "float softcap, const int* cu_seqlens_q, const int* cu_seqlens_k, "
-                                                "int window_left, int window_right")
-    assert [name for name, _ in every.arguments[-7:]] == ["seqlens_k", "leftpad_k", "softcap", "cu_seqlens_q",
+                                                "const int* seqlens_q, float softcap, const int* cu_seqlens_q, "
+                                                "const int* cu_seqlens_k, int window_left, int window_right")
+    assert [name for name, _ in every.arguments[-8:]] == ["seqlens_k", "leftpad_k", "seqlens_q", "softcap", "cu_seqlens_q",
                                                           "cu_seqlens_k", "window_left", "window_right"]
     with pytest.raises(ValueError, match="THE_PATH_DOES_NOT_HOLD_A_FEATURE_ASKED"):
         render("flash_attention", Config({**BASE, "PATH": "wmma"}), Variant(64, False, "fp16", ("varlen",)))

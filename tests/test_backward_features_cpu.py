@@ -266,7 +266,7 @@ def test_what_the_backward_cannot_serve_is_one_line(exported, tmp_path: Path) ->
     q = _meta(1, 4, 16, 64)
     lengths = torch.empty(1, dtype=torch.int32, device="meta")
     with pytest.raises(NotImplementedError, match=r"^attention: a gradient is needed .* no per-batch key ranges "
-                                                  r"\(seqlens_k, leftpad_k\)[^\n]*$"):
+                                                  r"or query lengths \(seqlens_k, leftpad_k, seqlens_q\)[^\n]*$"):
         module.attention(q, q, q, seqlens_k=lengths)
     # an export whose backward has no feature kernels (made before they existed)
     info = json.loads((out_dir / "kernel.json").read_text())

@@ -329,7 +329,8 @@ def test_feature_rows_are_the_issue_shapes_one_feature_each() -> None:
 
 
 def naive(row: fb.FeatureRow, q, k, v):
-    """The row's result by its definition, one (batch, head, query) at a time in fp64."""
+    """The row's result by its definition, one (batch, head, query) at a time in fp64 (a padded
+    batch's padded query rows 0, as ours and flash-attn-4 skip them)."""
     q, k, v = q.double(), k.double(), v.double()
     scale = 1.0 / math.sqrt(row.head_dim)
     group = row.heads // row.heads_kv
@@ -342,6 +343,8 @@ def naive(row: fb.FeatureRow, q, k, v):
         n = end - first if row.feature == "varlen" else row.seq
         keys = row.lengths[b] if row.feature == "padding" else n
         for h, i in itertools.product(range(row.heads), range(n)):
+            if row.feature == "padding" and i >= keys:
+                continue
             seen = [j for j in range(n) if j <= i and j < keys and (row.window_left < 0 or j >= i - row.window_left)]
             if row.feature == "varlen":
                 qi, ks, vs = q[first + i, h], k[first:end, h // group][seen], v[first:end, h // group][seen]
@@ -356,6 +359,14 @@ def naive(row: fb.FeatureRow, q, k, v):
             else:
                 out[b, h, i] = w
     return out
+
+
+def used_rows(row: fb.FeatureRow, out):
+    """``out`` with a padded batch's padded query rows zeroed (SDPA computes them)."""
+    if row.feature != "padding":
+        return out
+    keep = torch.arange(row.seq).view(1, row.seq) < torch.tensor(row.lengths).view(row.batch, 1)
+    return out * keep.view(row.batch, 1, row.seq, 1)
 
 
 SMALL_ROWS = [  # each feature at a size the CPU computes by definition in a second
@@ -381,12 +392,12 @@ def test_the_sdpa_calls_and_the_reference_compute_the_row_on_the_cpu(row) -> Non
     assert ("sdpa" in calls) == (row.feature != "softcap") and (fb.FLOOR in calls) == row.floor
     if "sdpa" in calls:
         out = calls["sdpa"](q, k, v)
-        assert out.shape == q.shape and float((out.double() - exact).abs().max()) < 1e-5
+        assert out.shape == q.shape and float((used_rows(row, out.double()) - exact).abs().max()) < 1e-5
     if row.floor:
         assert float((calls[fb.FLOOR](q, k, v).double() - exact).abs().max()) > 1e-2
     # the calls map each set to its own repeated K/V
     if "sdpa" in calls:
-        assert float((calls["sdpa"](*sets[0]).double() - naive(row, *sets[0])).abs().max()) < 1e-5
+        assert float((used_rows(row, calls["sdpa"](*sets[0]).double()) - naive(row, *sets[0])).abs().max()) < 1e-5
 
 
 def test_flash_attn_4_keywords_are_checked_against_its_signature() -> None:
@@ -532,10 +543,13 @@ def test_feature_rows_measured_end_to_end_with_torch_in_place_of_the_kernels(exp
     mixed = exports[1]
     asked: list[str] = []
 
-    def attention(q, k, v, is_causal=False, enable_gqa=False, window_size=None, softcap=None, seqlens_k=None):
-        asked.append(f"attention window={window_size} softcap={softcap} seqlens={seqlens_k is not None}")
-        return reference_attention(q, k, v, is_causal, None, enable_gqa, call_features(window_size, softcap, seqlens_k),
-                                   seqlens_k)
+    def attention(q, k, v, is_causal=False, enable_gqa=False, window_size=None, softcap=None, seqlens_k=None,
+                  seqlens_q=None):
+        asked.append(f"attention window={window_size} softcap={softcap} seqlens={seqlens_k is not None} "
+                     f"queries={seqlens_q is not None}")
+        return reference_attention(q, k, v, is_causal, None, enable_gqa,
+                                   call_features(window_size, softcap, seqlens_k, seqlens_q=seqlens_q), seqlens_k,
+                                   seqlens_q=seqlens_q)
 
     def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):
         asked.append(f"varlen {cu_q.tolist()} {max_q}")
@@ -569,8 +583,9 @@ def test_feature_rows_measured_end_to_end_with_torch_in_place_of_the_kernels(exp
     said: list[str] = []
     results, notes = fb.measure_features(module, rows, ["fp16"], 200, 10, 2, say=said.append, peers=False,
                                          device="cpu", l2_bytes=40_000)
-    assert list(dict.fromkeys(asked)) == ["attention window=(9, 0) softcap=None seqlens=False",
-                         "attention window=None softcap=None seqlens=True", "varlen [0, 1, 21, 26] 20"]
+    assert list(dict.fromkeys(asked)) == ["attention window=(9, 0) softcap=None seqlens=False queries=False",
+                                          "attention window=None softcap=None seqlens=True queries=True",
+                                          "varlen [0, 1, 21, 26] 20"]
     assert notes == ["softcap fp16: no fp16 D256 causal kernel in this export"] and notes[0] in said
     assert [(r["shape"], r["impl"]) for r in results] == [
         ("window", "evo"), ("window", "sdpa"), ("window", fb.FLOOR), ("padding", "evo"), ("padding", "sdpa"),

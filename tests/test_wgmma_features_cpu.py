@@ -99,11 +99,11 @@ def test_each_switch_adds_its_arguments_before_the_tensor_maps_and_its_feature_n
     rendered = render("flash_attention", CONFIGS["dtmao-q-pp"], Variant(128, True, "bf16", ALL))
     assert "// FEATURES seqlens softcap window" in rendered.source and rendered.features == ALL
     signature = next(line for line in rendered.source.splitlines() if "attn_fwd(" in line)
-    assert ("float scale_log2, const int* seqlens_k, const int* leftpad_k, float softcap, int window_left, "
-            "int window_right, const __grid_constant__ CUtensorMap tm_q") in signature
+    assert ("float scale_log2, const int* seqlens_k, const int* leftpad_k, const int* seqlens_q, float softcap, "
+            "int window_left, int window_right, const __grid_constant__ CUtensorMap tm_q") in signature
     names = [name for name, _ in rendered.arguments]
-    assert names[names.index("scale_log2") + 1:] == ["seqlens_k", "leftpad_k", "softcap", "window_left", "window_right",
-                                                     "tm_q", "tm_k", "tm_v", "tm_o"]
+    assert names[names.index("scale_log2") + 1:] == ["seqlens_k", "leftpad_k", "seqlens_q", "softcap", "window_left",
+                                                     "window_right", "tm_q", "tm_k", "tm_v", "tm_o"]
     one = render("flash_attention", CONFIGS["c1-n64"], Variant(64, False, "fp16", ("window",)))
     assert one.features == ("window",) and one.arguments[-2:] == [("window_left", "i32"), ("window_right", "i32")]
     one_signature = next(line for line in one.source.splitlines() if "attn_fwd(" in line)

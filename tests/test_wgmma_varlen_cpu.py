@@ -44,8 +44,9 @@ def test_the_varlen_switch_adds_its_offsets_between_softcap_and_window_before_th
     rendered = render("flash_attention", TMA, Variant(128, True, "bf16", ALL))
     assert "// FEATURES seqlens softcap varlen window" in rendered.source and rendered.features == ALL
     names = [name for name, _ in rendered.arguments]
-    assert names[names.index("scale_log2") + 1:] == ["seqlens_k", "leftpad_k", "softcap", "cu_seqlens_q", "cu_seqlens_k",
-                                                     "window_left", "window_right", "tm_q", "tm_k", "tm_v"]
+    assert names[names.index("scale_log2") + 1:] == ["seqlens_k", "leftpad_k", "seqlens_q", "softcap", "cu_seqlens_q",
+                                                     "cu_seqlens_k", "window_left", "window_right", "tm_q", "tm_k",
+                                                     "tm_v"]
     # the order the launchers pack: render.FEATURE_ARGS in runtime.features.SWITCHES order
     expected = [arg for feature in F.SWITCHES for arg in FEATURE_ARGS[feature]]
     assert rendered.arguments[names.index("scale_log2") + 1:names.index("tm_q")] == expected
@@ -166,8 +167,9 @@ def test_an_export_of_a_wgmma_run_serves_varlen_calls_with_the_wgmma_kernel_with
         key = ("fp16", 64, causal, PTMAO.key(), ALL)
         assert key in module.KERNELS, sorted(k for k in module.KERNELS if len(k) == 5)
         names = [a[0] for a in module.KERNELS[key]["args"]]
-        assert names[names.index("scale_log2") + 1:] == ["seqlens_k", "leftpad_k", "softcap", "cu_seqlens_q", "cu_seqlens_k",
-                                                         "window_left", "window_right", "tm_q", "tm_k", "tm_v"]
+        assert names[names.index("scale_log2") + 1:] == ["seqlens_k", "leftpad_k", "seqlens_q", "softcap",
+                                                         "cu_seqlens_q", "cu_seqlens_k", "window_left", "window_right",
+                                                         "tm_q", "tm_k", "tm_v"]
         for needed in (("varlen",), ("softcap", "varlen", "window")):
             chosen = F.select_kernel(data.kernels, ("fp16", 64, causal), PTMAO.key(), data.fallback, needed)
             assert chosen.config == PTMAO.key() and chosen.switches == ALL

@@ -7,7 +7,8 @@ What ``sdpa`` is on each row (``FeatureRow.sdpa``):
 
 - window, padding: SDPA with the equivalent boolean mask (SDPA has no window or key-length
   argument), K and V repeated to the query heads beforehand (transformers' sdpa path repeats
-  them where it passes a mask; the copy is not timed);
+  them where it passes a mask; the copy is not timed); on the padded batch SDPA computes the
+  padded query rows, which ours (``seqlens_q``) and flash-attn-4 (``seqused_q``) skip;
 - varlen: SDPA sequence by sequence (``is_causal``, grouped heads through ``enable_gqa``) and
   the outputs concatenated, as code without packed-sequence support runs them; a block-diagonal
   mask over the packed tokens would cost the square of the total length;
@@ -264,8 +265,8 @@ def evo_call(module: Any, row: FeatureRow, shared: RowTensors) -> Callable[..., 
         keywords["window_size"] = (row.window_left, 0)
     elif row.feature == "softcap":
         keywords["softcap"] = row.softcap
-    elif row.feature == "padding":
-        keywords["seqlens_k"] = shared.lengths
+    elif row.feature == "padding":   # the padded rows skipped, as flash-attn-4's seqused_q
+        keywords["seqlens_k"] = keywords["seqlens_q"] = shared.lengths
     gqa = row.gqa
     return lambda q, k, v: module.attention(q, k, v, is_causal=True, enable_gqa=gqa, **keywords)
 
@@ -278,6 +279,9 @@ def reference(row: FeatureRow, q: Any, k: Any, v: Any, shared: RowTensors) -> An
 
         return reference_varlen(q, k, v, row.offsets, row.offsets, True, None, row.call_features)
     mask = shared.mask if shared.mask is not None else allowed_keys(1, row.seq, row.seq, True, device=q.device)
+    if row.feature == "padding":   # the padded rows see no key (0), as ours skips them
+        mask = allowed_keys(row.batch, row.seq, row.seq, True, seqlens_k=shared.lengths, device=q.device,
+                            seqlens_q=shared.lengths)
     return attend(q, k, v, mask, None, row.softcap)
 
 
@@ -371,7 +375,7 @@ def feature_block(title: str, row: FeatureRow, measured: list[dict], versus: dic
                      "(SDPA plain causal: not the same computation)")
     if versus["fa4"]:
         lines.append(f"  ×fa4 device {versus['fa4']['device_us']:.2f} eager {versus['fa4']['eager_us']:.2f}"
-                     + (" (fa4 skips the padded rows)" if row.feature == "padding" else ""))
+                     + (" (both skip the padded rows)" if row.feature == "padding" else ""))
     elif no_fa4:
         lines.append(f"  fa4: none, {no_fa4}")
     lines.append(f"  max abs error against an fp32 reference with the same mask: {err:.1e}")

@@ -152,7 +152,7 @@ class AttentionKernel:
         ``workspace``: a caller's float32 CUDA tensor of at least the declared workspace, passed as
         ``WS`` instead of the kernel's own (a ``WRITE_LSE`` forward leaves the row log-sum-exp there).
         ``features``: values of the arguments of a kernel with compile-time features (``softcap``,
-        ``window_left``, ``window_right``, tensors ``seqlens_k``, ``leftpad_k``; a ``varlen``
+        ``window_left``, ``window_right``, tensors ``seqlens_k``, ``leftpad_k``, ``seqlens_q``; a ``varlen``
         kernel's ``cu_seqlens_q``, ``cu_seqlens_k`` are null, the dense layout, unless ``packed``);
         left out: off. ``packed``: q, k, v and out are packed sequences (tokens, heads, head_dim),
         launched as ``runtime.varlen`` launches them (batch strides 0, S_q and S_k the longest)."""
@@ -293,7 +293,7 @@ def feature_values(features: dict[str, Any] | None) -> dict[str, int | float]:
     """The feature arguments of a call by name (tensors as their data pointers), off where left out."""
     given = dict(features or {})
     values: dict[str, int | float] = {"softcap": 0.0, "window_left": -1, "window_right": -1, "seqlens_k": 0, "leftpad_k": 0,
-                                      "cu_seqlens_q": 0, "cu_seqlens_k": 0}
+                                      "seqlens_q": 0, "cu_seqlens_q": 0, "cu_seqlens_k": 0}
     for name, value in given.items():
         if name not in values:
             raise LaunchError(f"unknown feature argument {name!r}")

@@ -67,15 +67,15 @@ bf16 bits, per the variant's dtype). ``H`` counts query heads, ``H_kv`` K/V head
 are in elements; the last dimension is contiguous. ``scale_log2`` is the softmax scale times
 log2(e)."""
 FEATURE_ARGS = {
-    "seqlens": [("seqlens_k", "ptr"), ("leftpad_k", "ptr")],
+    "seqlens": [("seqlens_k", "ptr"), ("leftpad_k", "ptr"), ("seqlens_q", "ptr")],
     "softcap": [("softcap", "f32")],
     "varlen": [("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr")],
     "window": [("window_left", "i32"), ("window_right", "i32")],
 }
 """Arguments a kernel with a compile-time feature takes after ``KERNEL_ARGS`` (per feature, in
-sorted feature order): per-batch key ranges (int32 pointers, null: none), the soft cap, packed
-sequences' offsets (int32 pointers, batch + 1 each; null: the dense layout), the window's sides
-(``runtime.features``)."""
+sorted feature order): per-batch key ranges and query lengths (int32 pointers, null: none), the
+soft cap, packed sequences' offsets (int32 pointers, batch + 1 each; null: the dense layout), the
+window's sides (``runtime.features``)."""
 SPLIT_ARGS = [("kv_splits", "i32")]
 """What a kernel whose K/V split count is chosen per call (an ``auto_split`` launch) takes after
 its features' arguments: that count (``runtime.grid.call_splits``)."""

@@ -27,11 +27,12 @@ to run. A double backward, and a gradient of a variant no exported backward cove
 in one line.
 
 Features, keywords as flash-attn's: window_size=(left, right), softcap=, and per-batch key
-ranges seqlens_k=, leftpad_k= (int32 (batch,) tensors: padding), served by kernels exported with
-those features (kernel.json lists each kernel's); fallback='sdpa' runs SDPA for a call no kernel
-covers, counted per reason by fallback_counts() and explain() (features.py). A window or a soft
-cap with inputs that require grad runs an LSE forward and backward kernels built with them; per-batch
-key ranges with a gradient are refused in one line (or run SDPA with fallback='sdpa').
+ranges seqlens_k=, leftpad_k= and query lengths seqlens_q= (int32 (batch,) tensors: padding),
+served by kernels exported with those features (kernel.json lists each kernel's);
+fallback='sdpa' runs SDPA for a call no kernel covers, counted per reason by fallback_counts()
+and explain() (features.py). A window or a soft cap with inputs that require grad runs an LSE
+forward and backward kernels built with them; per-batch key ranges or query lengths with a
+gradient are refused in one line (or run SDPA with fallback='sdpa').
 
 Packed variable-length sequences, as flash-attn's varlen: attention_varlen(q, k, v, cu_seqlens_q,
 cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False, scale=None, window_size=(-1, -1),

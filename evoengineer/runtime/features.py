@@ -4,11 +4,13 @@ which kernels serve it, the explicit mask it means, and the SDPA fallback with i
 A call's features follow flash-attn's names: ``window_size=(left, right)`` (-1: unlimited on that
 side; with ``is_causal`` the right side is 0), ``softcap`` (scores become
 ``softcap * tanh(score * scale / softcap)`` before the softmax; 0: none) and, per batch,
-``seqlens_k`` (keys at or past ``seqlens_k[b]`` are masked, as flash-attn's ``cache_seqlens``) and
-``leftpad_k`` (keys before ``leftpad_k[b]`` are masked, as ``cache_leftpad``), int32 tensors of
-shape (batch,). The window is aligned top-left, as ``is_causal``: query position i sees keys
-i - left .. i + right (flash-attn aligns bottom-right; the two agree when S_q == S_k). A query
-that sees no key gives 0, as flash-attn.
+``seqlens_k`` (keys at or past ``seqlens_k[b]`` are masked, as flash-attn's ``cache_seqlens``),
+``leftpad_k`` (keys before ``leftpad_k[b]`` are masked, as ``cache_leftpad``) and ``seqlens_q``
+(query positions at or past ``seqlens_q[b]`` see no key: a padded batch's padding rows, skipped
+as flash-attn's ``seqused_q`` skips them, give 0), int32 tensors of shape (batch,). The window is
+aligned top-left, as ``is_causal``: query position i sees keys i - left .. i + right (flash-attn
+aligns bottom-right; the two agree when S_q == S_k). A query that sees no key gives 0, as
+flash-attn.
 
 A kernel built with a feature's compile-time switch (``// FEATURES seqlens softcap varlen window``)
 serves calls with or without it; kernel.json lists each kernel's features and a call runs a
@@ -26,7 +28,7 @@ from typing import Any, Iterable, Mapping
 
 SWITCHES = ("seqlens", "softcap", "varlen", "window")
 """Features a kernel's compile-time switches add (kernel.json ``features``)."""
-POINTER_ARGS = ("seqlens_k", "leftpad_k", "cu_seqlens_q", "cu_seqlens_k")
+POINTER_ARGS = ("seqlens_k", "leftpad_k", "seqlens_q", "cu_seqlens_q", "cu_seqlens_k")
 """Kernel arguments of ``seqlens`` kernels (int32 pointers, per batch; null: none) and ``varlen``
 kernels (int32 pointers, batch + 1 offsets into packed sequences; null: the dense layout)."""
 SCALAR_ARGS = ("window_left", "window_right", "softcap")
@@ -45,8 +47,8 @@ class UncoveredDtype(TypeError, Uncovered):
 
 @dataclass(frozen=True)
 class CallFeatures:
-    """A call's window, soft cap and whether it passes per-batch key ranges (the tensors
-    themselves travel per call)."""
+    """A call's window, soft cap and whether it passes per-batch key ranges or query lengths (the
+    tensors themselves travel per call)."""
 
     window_left: int = -1
     window_right: int = -1
@@ -70,7 +72,7 @@ PLAIN = CallFeatures()
 
 
 def call_features(window_size: Any = None, softcap: float | None = None, seqlens_k: Any = None,
-                  leftpad_k: Any = None) -> CallFeatures:
+                  leftpad_k: Any = None, seqlens_q: Any = None) -> CallFeatures:
     """A call's features from ``attention``'s keywords; ValueError (one line) where malformed."""
     left, right = -1, -1
     if window_size is not None:
@@ -83,14 +85,14 @@ def call_features(window_size: Any = None, softcap: float | None = None, seqlens
     cap = 0.0 if softcap is None else float(softcap)
     if not cap >= 0 or math.isinf(cap):
         raise ValueError(f"attention: softcap must be a finite number >= 0 (0: none), got {softcap!r}")
-    return CallFeatures(left, right, cap, seqlens_k is not None or leftpad_k is not None)
+    return CallFeatures(left, right, cap, seqlens_k is not None or leftpad_k is not None or seqlens_q is not None)
 
 
-def check_ranges(q: Any, seqlens_k: Any, leftpad_k: Any) -> None:
+def check_ranges(q: Any, seqlens_k: Any, leftpad_k: Any, seqlens_q: Any = None) -> None:
     """ValueError (one line) unless each given range tensor is int32 (batch,) on q's device."""
     import torch
 
-    for name, t in (("seqlens_k", seqlens_k), ("leftpad_k", leftpad_k)):
+    for name, t in (("seqlens_k", seqlens_k), ("leftpad_k", leftpad_k), ("seqlens_q", seqlens_q)):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (q.shape[0],):
@@ -133,7 +135,8 @@ def select_kernel(kernels: Mapping[tuple, Any], variant: tuple[str, int, bool], 
 
 
 def allowed_keys(batch: int, seq_q: int, seq_k: int, causal: bool, features: CallFeatures = PLAIN,
-                 seqlens_k: Any = None, leftpad_k: Any = None, device: Any = "cpu", offset: int = 0) -> Any:
+                 seqlens_k: Any = None, leftpad_k: Any = None, device: Any = "cpu", offset: int = 0,
+                 seqlens_q: Any = None) -> Any:
     """The boolean mask (batch, 1, seq_q, seq_k) of the keys each query sees (True: attended);
     query i sits at key position i + ``offset`` for the causal mask and the window (0: top-left;
     ``seq_k - seq_q``: bottom-right, as flash-attn's varlen)."""
@@ -154,21 +157,25 @@ def allowed_keys(batch: int, seq_q: int, seq_k: int, causal: bool, features: Cal
         allowed = allowed & (jb < seqlens_k.to(device=device, dtype=torch.long).view(batch, 1, 1, 1))
     if leftpad_k is not None:
         allowed = allowed & (jb >= leftpad_k.to(device=device, dtype=torch.long).view(batch, 1, 1, 1))
+    if seqlens_q is not None:
+        ib = i.view(1, 1, seq_q, 1)
+        allowed = allowed & (ib < seqlens_q.to(device=device, dtype=torch.long).view(batch, 1, 1, 1))
     return allowed
 
 
 def reference_attention(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None,
                         enable_gqa: bool = False, features: CallFeatures = PLAIN, seqlens_k: Any = None,
-                        leftpad_k: Any = None) -> Any:
+                        leftpad_k: Any = None, seqlens_q: Any = None) -> Any:
     """What a call computes, by torch alone (the fallback, and the tests' reference): SDPA, with
     the features as an explicit boolean mask; with soft-capping the scores in fp32. Rows that see
     no key give 0. The result has q's dtype (pass fp32 tensors for an fp32 reference)."""
     import torch.nn.functional as F
 
-    if features.needed(bool(is_causal)) == () and seqlens_k is None and leftpad_k is None:
+    if features.needed(bool(is_causal)) == () and seqlens_k is None and leftpad_k is None and seqlens_q is None:
         k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         return F.scaled_dot_product_attention(q, k, v, is_causal=bool(is_causal), scale=scale)
-    mask = allowed_keys(q.shape[0], q.shape[2], k.shape[2], bool(is_causal), features, seqlens_k, leftpad_k, q.device)
+    mask = allowed_keys(q.shape[0], q.shape[2], k.shape[2], bool(is_causal), features, seqlens_k, leftpad_k, q.device,
+                        seqlens_q=seqlens_q)
     return attend(q, k, v, mask, scale, features.softcap)
 
 

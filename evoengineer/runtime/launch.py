@@ -153,7 +153,8 @@ class Plan:
     fallback: str | None = None
     """Why no kernel serves such a call, where it runs the fallback instead (``run`` unused)."""
     ranges: bool = False
-    """The kernel takes per-batch key ranges (``seqlens_k``, ``leftpad_k``), set per call."""
+    """The kernel takes per-batch key ranges and query lengths (``seqlens_k``, ``leftpad_k``,
+    ``seqlens_q``), set per call."""
     varlen: bool = False
     """The kernel takes packed sequences' offsets (``cu_seqlens_q``, ``cu_seqlens_k``), set per call."""
     splits: int = 1
@@ -161,7 +162,7 @@ class Plan:
 
 
 FEATURE_GRAD_REASON = ("a gradient is needed (q, k or v requires grad) and the backward kernels have no per-batch "
-                       "key ranges (seqlens_k, leftpad_k)")
+                       "key ranges or query lengths (seqlens_k, leftpad_k, seqlens_q)")
 FEATURE_GRAD_ERROR = (f"attention: {FEATURE_GRAD_REASON}; call without them, under torch.no_grad(), or with "
                       "fallback='sdpa' (SDPA computes such calls and their gradients)")
 FEATURE_OP_GRAD_ERROR = ("attention: a gradient is needed (q, k or v requires grad) and the attention_features op computes "
@@ -311,13 +312,14 @@ class Launcher:
 
     def explain(self, q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None,
                 enable_gqa: bool = False, *, window_size: Any = None, softcap: float | None = None,
-                seqlens_k: Any = None, leftpad_k: Any = None, fallback: str | None = None) -> dict[str, Any]:
+                seqlens_k: Any = None, leftpad_k: Any = None, seqlens_q: Any = None,
+                fallback: str | None = None) -> dict[str, Any]:
         """What such a call runs (the plan is built and the kernels compiled if needed); a call
         that would run the fallback says why (``fallback``, ``reason``). ``fallback_counts``: the
         calls that ran SDPA so far, per reason."""
         from .features import call_features, check_fallback
 
-        features = call_features(window_size, softcap, seqlens_k, leftpad_k)
+        features = call_features(window_size, softcap, seqlens_k, leftpad_k, seqlens_q)
         if features == PLAIN and check_fallback(fallback) is None:
             plan = self.cached_plan(q, k, v, is_causal, scale, enable_gqa)
         else:
@@ -367,34 +369,37 @@ class Launcher:
         grad_enabled, counts = torch.is_grad_enabled, self.fallbacks
 
         def forward_features(q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool,
-                             features: CallFeatures, seqlens_k: Any, leftpad_k: Any, fallback: str | None) -> Any:
-            if seqlens_k is not None or leftpad_k is not None:
-                check_ranges(q, seqlens_k, leftpad_k)
+                             features: CallFeatures, seqlens_k: Any, leftpad_k: Any, seqlens_q: Any,
+                             fallback: str | None) -> Any:
+            if features.seqlens:
+                check_ranges(q, seqlens_k, leftpad_k, seqlens_q)
             plan = self.feature_plan(q, k, v, is_causal, scale, enable_gqa, features, fallback)
             if plan.fallback is not None:
                 counts.add(plan.fallback)
-                return reference_attention(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k)
+                return reference_attention(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k,
+                                           seqlens_q)
             if (q.requires_grad or k.requires_grad or v.requires_grad) and grad_enabled():
                 raise NotImplementedError(FEATURE_OP_GRAD_ERROR)
             if plan.ranges:
                 struct = plan.packed.values  # type: ignore[union-attr]
                 struct.seqlens_k = 0 if seqlens_k is None else seqlens_k.data_ptr()
                 struct.leftpad_k = 0 if leftpad_k is None else leftpad_k.data_ptr()
+                struct.seqlens_q = 0 if seqlens_q is None else seqlens_q.data_ptr()
             return plan.run(q, k, v)
 
         return forward_features
 
     def features_with_grad(self, plain: Callable[..., Any], train: Callable[..., Any], q: Any, k: Any, v: Any,
                            is_causal: bool, scale: float | None, enable_gqa: bool, deterministic: bool | None,
-                           features: CallFeatures, seqlens_k: Any, leftpad_k: Any, fallback: str | None) -> Any:
+                           features: CallFeatures, seqlens_k: Any, leftpad_k: Any, seqlens_q: Any,
+                           fallback: str | None) -> Any:
         """A call with features or a fallback whose inputs require grad: ``plain`` (the training
         path) where it asks no feature, ``train`` (``op.make_training``: the LSE forward and
         the backward built with them) where it asks a window or a soft cap; SDPA (differentiable,
         counted) with ``fallback`` where neither has kernels for it or it passes per-batch key
-        ranges; otherwise NotImplementedError (or the kernels' error) in one line."""
-        if seqlens_k is not None or leftpad_k is not None:
-            check_ranges(q, seqlens_k, leftpad_k)
+        ranges or query lengths; otherwise NotImplementedError (or the kernels' error) in one line."""
         if features.seqlens:
+            check_ranges(q, seqlens_k, leftpad_k, seqlens_q)
             if fallback is None:
                 raise NotImplementedError(FEATURE_GRAD_ERROR)
             reason = FEATURE_GRAD_REASON
@@ -410,4 +415,4 @@ class Launcher:
             except NotImplementedError as exc:  # no backward for this variant or these features
                 reason = str(exc).removeprefix("attention: ").split(";")[0]
         self.fallbacks.add(reason)
-        return reference_attention(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k)
+        return reference_attention(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k, seqlens_q)

@@ -12,7 +12,7 @@ them and FakeTensorMode runs them without a GPU):
 - ``attention_backward(do, q, k, v, out, lse, ..., window_left, window_right, softcap) -> (dq, dk,
   dv)``, whose own backward (a double backward) is refused in one line;
 - ``attention_features(q, k, v, ..., window_left, window_right, softcap, seqlens_k, leftpad_k,
-  fallback) -> out``: a call with features or a fallback, for inference (``attention`` sends the
+  seqlens_q, fallback) -> out``: a call with features or a fallback, for inference (``attention`` sends the
   calls with a window or a soft cap that need a gradient to ``attention_lse``).
 
 ``attention(...)`` takes the eager fast path for plain tensors that need no gradient, the
@@ -232,10 +232,10 @@ def make_training(ops: Ops, settings: Settings) -> Callable[..., Any]:
 
 FEATURES_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
                    "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? seqlens_k=None, "
-                   "Tensor? leftpad_k=None, str? fallback=None) -> Tensor")
+                   "Tensor? leftpad_k=None, Tensor? seqlens_q=None, str? fallback=None) -> Tensor")
 
 FeatureForward = Callable[..., Any]
-"""``(q, k, v, is_causal, scale, enable_gqa, features.CallFeatures, seqlens_k, leftpad_k, fallback)``."""
+"""``(q, k, v, is_causal, scale, enable_gqa, features.CallFeatures, seqlens_k, leftpad_k, seqlens_q, fallback)``."""
 
 
 def register_features_op(namespace: str, forward: FeatureForward, coverage: Coverage) -> Any:
@@ -245,16 +245,16 @@ def register_features_op(namespace: str, forward: FeatureForward, coverage: Cove
 
     def impl(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
              window_left: int = -1, window_right: int = -1, softcap: float = 0.0, seqlens_k: Any = None,
-             leftpad_k: Any = None, fallback: str | None = None) -> Any:
-        features = call_features((window_left, window_right), softcap, seqlens_k, leftpad_k)
-        return forward(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k, fallback)
+             leftpad_k: Any = None, seqlens_q: Any = None, fallback: str | None = None) -> Any:
+        features = call_features((window_left, window_right), softcap, seqlens_k, leftpad_k, seqlens_q)
+        return forward(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k, seqlens_q, fallback)
 
     def fake(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
              window_left: int = -1, window_right: int = -1, softcap: float = 0.0, seqlens_k: Any = None,
-             leftpad_k: Any = None, fallback: str | None = None) -> Any:
-        call_features((window_left, window_right), softcap, seqlens_k, leftpad_k)
+             leftpad_k: Any = None, seqlens_q: Any = None, fallback: str | None = None) -> Any:
+        call_features((window_left, window_right), softcap, seqlens_k, leftpad_k, seqlens_q)
         check_fallback(fallback)
-        check_ranges(q, seqlens_k, leftpad_k)
+        check_ranges(q, seqlens_k, leftpad_k, seqlens_q)
         try:
             check_inputs(coverage, q, k, v, is_causal, scale, enable_gqa)
         except Uncovered:
@@ -282,7 +282,8 @@ def make_feature_attention(plain: Callable[..., Any], forward: FeatureForward, o
 
     def attention(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
                   deterministic: bool | None = None, *, window_size: Any = None, softcap: float | None = None,
-                  seqlens_k: Any = None, leftpad_k: Any = None, fallback: str | None = None) -> Any:
+                  seqlens_k: Any = None, leftpad_k: Any = None, seqlens_q: Any = None,
+                  fallback: str | None = None) -> Any:
         """softmax(q k^T * scale) v as torch.nn.functional.scaled_dot_product_attention computes it
         (is_causal: top-left aligned; scale: default 1/sqrt(head_dim); enable_gqa: k, v may have
         fewer heads). q: (batch, heads, seq_q, head_dim), k and v: (batch, heads_kv, seq_k,
@@ -296,25 +297,27 @@ def make_feature_attention(plain: Callable[..., Any], forward: FeatureForward, o
         window_size=(left, right): query position i sees keys i - left .. i + right (-1:
         unlimited; with is_causal right is 0; aligned top-left as is_causal). softcap: scores
         become softcap * tanh(score * scale / softcap) before the softmax. seqlens_k, leftpad_k:
-        int32 (batch,) tensors, batch b sees keys leftpad_k[b] .. seqlens_k[b] - 1 (padding); a
-        query that sees no key gives 0. fallback='sdpa': a call no exported kernel covers runs
+        int32 (batch,) tensors, batch b sees keys leftpad_k[b] .. seqlens_k[b] - 1 (padding);
+        seqlens_q: int32 (batch,), batch b's query positions from seqlens_q[b] on see no key (a
+        padded batch's padding rows: their work is skipped); a query that sees no key gives 0. fallback='sdpa': a call no exported kernel covers runs
         SDPA (with the features as an explicit mask), counted per reason in fallback_counts();
         None (default): such a call raises ValueError. Gradients: where q, k or v requires grad, a
         call with window_size or softcap runs the forward and backward kernels built with them
         (eager and under torch.compile; a query that sees no key gets zero gradients); a call with
-        seqlens_k or leftpad_k, or one whose export has no such backward kernels, raises
+        seqlens_k, leftpad_k or seqlens_q, or one whose export has no such backward kernels, raises
         NotImplementedError in one line, or with fallback='sdpa' runs SDPA (differentiable,
         counted)."""
-        if window_size is None and softcap is None and seqlens_k is None and leftpad_k is None and fallback is None:
+        if (window_size is None and softcap is None and seqlens_k is None and leftpad_k is None and seqlens_q is None
+                and fallback is None):
             return plain(q, k, v, is_causal, scale, enable_gqa, deterministic)
-        features = call_features(window_size, softcap, seqlens_k, leftpad_k)
+        features = call_features(window_size, softcap, seqlens_k, leftpad_k, seqlens_q)
         check_fallback(fallback)
         if grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
             return with_grad(plain, train, q, k, v, is_causal, scale, enable_gqa, deterministic, features, seqlens_k,
-                             leftpad_k, fallback)
+                             leftpad_k, seqlens_q, fallback)
         if compiling() or type(q) is not tensor or type(k) is not tensor or type(v) is not tensor or dispatch_modes():
             return op(q, k, v, is_causal, scale, enable_gqa, features.window_left, features.window_right,
-                      features.softcap, seqlens_k, leftpad_k, fallback)
-        return forward(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k, fallback)
+                      features.softcap, seqlens_k, leftpad_k, seqlens_q, fallback)
+        return forward(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k, seqlens_q, fallback)
 
     return attention

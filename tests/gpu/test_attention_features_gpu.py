@@ -2,7 +2,7 @@
 mask, under flash-attn's rule: max|out - ref_fp32| <= 2 * max|ref_lowp - ref_fp32| + eps, where
 ref_lowp is the same computation in the inputs' dtype. The mma kernels directly (odd shapes, GQA,
 fp16 and bf16, every technique switch), an exported module's attention(window_size=, softcap=,
-seqlens_k=, leftpad_k=, fallback=) and hf_attention on left- and right-padded batches."""
+seqlens_k=, leftpad_k=, seqlens_q=, fallback=) and hf_attention on left- and right-padded batches."""
 from __future__ import annotations
 
 import sys
@@ -54,21 +54,25 @@ SHAPES = [  # (B, H, H_kv, S_q, S_k, D)
 ]
 
 
-def lowp_reference(q, k, v, causal: bool, features: F.CallFeatures, seqlens_k=None, leftpad_k=None, scale=None):
+def lowp_reference(q, k, v, causal: bool, features: F.CallFeatures, seqlens_k=None, leftpad_k=None, scale=None,
+                   seqlens_q=None):
     """The computation in the inputs' dtype (flash-attn's ``attention_ref(upcast=False)``)."""
     k, v = F.repeat_kv(k, q.shape[1]), F.repeat_kv(v, q.shape[1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q * scale) @ k.transpose(-1, -2)
     if features.softcap > 0:
         scores = torch.tanh(scores / features.softcap) * features.softcap
-    mask = F.allowed_keys(q.shape[0], q.shape[2], k.shape[2], causal, features, seqlens_k, leftpad_k, q.device)
+    mask = F.allowed_keys(q.shape[0], q.shape[2], k.shape[2], causal, features, seqlens_k, leftpad_k, q.device,
+                          seqlens_q=seqlens_q)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
     return (probs @ v).masked_fill(~mask.any(-1, keepdim=True), 0)
 
 
-def check_rule(out, q, k, v, causal: bool, features: F.CallFeatures, seqlens_k=None, leftpad_k=None) -> None:
-    ref = F.reference_attention(q.float(), k.float(), v.float(), causal, None, True, features, seqlens_k, leftpad_k)
-    low = lowp_reference(q, k, v, causal, features, seqlens_k, leftpad_k)
+def check_rule(out, q, k, v, causal: bool, features: F.CallFeatures, seqlens_k=None, leftpad_k=None,
+               seqlens_q=None) -> None:
+    ref = F.reference_attention(q.float(), k.float(), v.float(), causal, None, True, features, seqlens_k, leftpad_k,
+                                seqlens_q)
+    low = lowp_reference(q, k, v, causal, features, seqlens_k, leftpad_k, seqlens_q=seqlens_q)
     assert torch.isfinite(out).all(), "output not finite or never written"
     err, bound = (out.float() - ref).abs().max().item(), 2 * (low.float() - ref).abs().max().item() + EPS
     assert err <= bound, f"max|out - ref| {err:.3g} > 2 max|ref_lowp - ref| + eps = {bound:.3g}"
@@ -111,16 +115,34 @@ def ranges(batch: int, seq_k: int, seed: int):
     return lengths.int().cuda(), pads.int().cuda()
 
 
-SETTINGS = {  # name -> (causal, window, softcap, key ranges)
-    "window-causal": (True, (17, 0), 0.0, False),
-    "window-both": (False, (31, 9), 0.0, False),
-    "window-right": (False, (-1, 5), 0.0, False),
-    "softcap": (False, (-1, -1), 2.0, False),
-    "softcap-causal-window": (True, (40, -1), 2.0, False),
-    "ranges": (False, (-1, -1), 0.0, True),
-    "ranges-causal": (True, (-1, -1), 0.0, True),
-    "everything": (True, (23, 0), 3.0, True),
-    "off": (True, (-1, -1), 0.0, False),   # a kernel with every switch serves a plain call
+def query_lengths(batch: int, seq_q: int, seed: int):
+    """Query lengths (one batch with all its queries, one with none), int32 on the GPU."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, seq_q + 1, (batch,), generator=gen)
+    lengths[0] = seq_q
+    if batch > 1:
+        lengths[-1] = 0 if batch > 2 else min(seq_q, 1 + seq_q // 3)
+    return lengths.int().cuda()
+
+
+def call_ranges(kind: str, shape, seed: int):
+    """(seqlens_k, leftpad_k, seqlens_q) of a setting's kind: '' none, 'keys' key ranges,
+    'queries' query lengths, 'both'."""
+    keys = ranges(shape[0], shape[4], seed=seed) if kind in ("keys", "both") else (None, None)
+    return (*keys, query_lengths(shape[0], shape[3], seed=seed + 1) if kind in ("queries", "both") else None)
+
+
+SETTINGS = {  # name -> (causal, window, softcap, ranges: '', 'keys', 'queries' or 'both')
+    "window-causal": (True, (17, 0), 0.0, ""),
+    "window-both": (False, (31, 9), 0.0, ""),
+    "window-right": (False, (-1, 5), 0.0, ""),
+    "softcap": (False, (-1, -1), 2.0, ""),
+    "softcap-causal-window": (True, (40, -1), 2.0, ""),
+    "ranges": (False, (-1, -1), 0.0, "keys"),
+    "ranges-causal": (True, (-1, -1), 0.0, "keys"),
+    "queries-causal": (True, (-1, -1), 0.0, "queries"),
+    "everything": (True, (23, 0), 3.0, "both"),
+    "off": (True, (-1, -1), 0.0, ""),   # a kernel with every switch serves a plain call
 }
 
 
@@ -129,33 +151,35 @@ SETTINGS = {  # name -> (causal, window, softcap, key ranges)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}/{}S{}/{}D{}".format(*s))
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_kernel_with_every_switch_matches_the_masked_reference(name: str, shape, setting: str, dtype: str) -> None:
-    causal, window, softcap, with_ranges = SETTINGS[setting]
+    causal, window, softcap, kind = SETTINGS[setting]
     torch_dtype = torch.float16 if dtype == "fp16" else torch.bfloat16
     q, k, v = inputs(shape, torch_dtype, seed=hash((name, shape, setting)) % 10_000, spread=2.0 if softcap else 1.0)
-    seqlens, leftpad = ranges(shape[0], shape[4], seed=shape[4]) if with_ranges else (None, None)
-    features = F.CallFeatures(window[0], window[1], softcap, with_ranges)
+    seqlens, leftpad, seqlens_q = call_ranges(kind, shape, seed=shape[4])
+    features = F.CallFeatures(window[0], window[1], softcap, bool(kind))
     out = torch.full_like(q, float("nan"))
     values = {"window_left": window[0], "window_right": window[1], "softcap": softcap, "seqlens_k": seqlens,
-              "leftpad_k": leftpad}
+              "leftpad_k": leftpad, "seqlens_q": seqlens_q}
     kernel(CONFIGS[name], Variant(shape[-1], causal, dtype, ALL))(q, k, v, out, features=values)
     torch.cuda.synchronize()
-    check_rule(out, q, k, v, causal, features, seqlens, leftpad)
+    check_rule(out, q, k, v, causal, features, seqlens, leftpad, seqlens_q)
 
 
 @pytest.mark.parametrize("feature, setting", [("window", "window-causal"), ("window", "window-both"),
-                                              ("softcap", "softcap"), ("seqlens", "ranges-causal")])
+                                              ("softcap", "softcap"), ("seqlens", "ranges-causal"),
+                                              ("seqlens", "queries-causal")])
 @pytest.mark.parametrize("name", ["m64n64", "m64n64-split3-pack"])
 def test_a_kernel_with_one_switch_matches_the_masked_reference(name: str, feature: str, setting: str) -> None:
-    causal, window, softcap, with_ranges = SETTINGS[setting]
+    causal, window, softcap, kind = SETTINGS[setting]
     shape = (2, 4, 2, 200, 257, 64)
     q, k, v = inputs(shape, torch.float16, seed=7, spread=2.0 if softcap else 1.0)
-    seqlens, leftpad = ranges(2, 257, seed=3) if with_ranges else (None, None)
+    seqlens, leftpad, seqlens_q = call_ranges(kind, shape, seed=3)
     values = {"window_left": window[0], "window_right": window[1], "softcap": softcap, "seqlens_k": seqlens,
-              "leftpad_k": leftpad}
+              "leftpad_k": leftpad, "seqlens_q": seqlens_q}
     out = torch.full_like(q, float("nan"))
     kernel(CONFIGS[name], Variant(64, causal, "fp16", (feature,)))(q, k, v, out, features=values)
     torch.cuda.synchronize()
-    check_rule(out, q, k, v, causal, F.CallFeatures(window[0], window[1], softcap, with_ranges), seqlens, leftpad)
+    check_rule(out, q, k, v, causal, F.CallFeatures(window[0], window[1], softcap, bool(kind)), seqlens, leftpad,
+               seqlens_q)
 
 
 # -- through an exported module ----------------------------------------------------------------------------
@@ -181,11 +205,15 @@ def test_the_module_serves_windows_soft_caps_and_padding(module) -> None:
     q, k, v = inputs(shape, dtype, seed=11, spread=2.0)
     lengths, pads = ranges(3, 150, seed=5)
     for kwargs in ({"window_size": (31, 0)}, {"softcap": 5.0}, {"seqlens_k": lengths}, {"leftpad_k": pads},
+                   {"seqlens_k": lengths, "seqlens_q": lengths},
                    {"window_size": (31, 0), "softcap": 5.0, "seqlens_k": lengths, "leftpad_k": pads}):
         out = module.attention(q, k, v, is_causal=True, enable_gqa=True, **kwargs)
         features = F.call_features(kwargs.get("window_size"), kwargs.get("softcap"), kwargs.get("seqlens_k"),
-                                   kwargs.get("leftpad_k"))
-        check_rule(out, q, k, v, True, features, kwargs.get("seqlens_k"), kwargs.get("leftpad_k"))
+                                   kwargs.get("leftpad_k"), kwargs.get("seqlens_q"))
+        check_rule(out, q, k, v, True, features, kwargs.get("seqlens_k"), kwargs.get("leftpad_k"),
+                   kwargs.get("seqlens_q"))
+        if "seqlens_q" in kwargs:   # the padded rows: 0
+            assert all((out[b, :, int(n):] == 0).all() for b, n in enumerate(lengths.tolist()))
         plan = module.explain(q, k, v, is_causal=True, enable_gqa=True, **kwargs)
         assert set(features.needed(True)) <= set(plan["features"]), plan
     assert module.fallback_counts() == {}

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from test_attention_features_gpu import ALL, SETTINGS, check_rule, inputs, kernel, ranges  # noqa: E402
+from test_attention_features_gpu import ALL, SETTINGS, call_ranges, check_rule, inputs, kernel  # noqa: E402
 from test_wgmma_features_cpu import CONFIGS as ALL_CONFIGS  # noqa: E402
 from test_wgmma_features_cpu import D256  # noqa: E402
 
@@ -46,17 +46,17 @@ SHAPES = [  # (B, H, H_kv, S_q, S_k, D)
 
 def run(config, shape, setting: str, dtype: str, seed: int):
     """The kernel of ``config`` with every switch on a call of ``setting``, checked by the rule."""
-    causal, window, softcap, with_ranges = SETTINGS[setting]
+    causal, window, softcap, kind = SETTINGS[setting]
     torch_dtype = torch.float16 if dtype == "fp16" else torch.bfloat16
     q, k, v = inputs(shape, torch_dtype, seed=seed, spread=2.0 if softcap else 1.0)
-    seqlens, leftpad = ranges(shape[0], shape[4], seed=shape[4]) if with_ranges else (None, None)
-    features = F.CallFeatures(window[0], window[1], softcap, with_ranges)
+    seqlens, leftpad, seqlens_q = call_ranges(kind, shape, seed=shape[4])
+    features = F.CallFeatures(window[0], window[1], softcap, bool(kind))
     out = torch.full_like(q, float("nan"))
     values = {"window_left": window[0], "window_right": window[1], "softcap": softcap, "seqlens_k": seqlens,
-              "leftpad_k": leftpad}
+              "leftpad_k": leftpad, "seqlens_q": seqlens_q}
     kernel(config, Variant(shape[-1], causal, dtype, ALL))(q, k, v, out, features=values)
     torch.cuda.synchronize()
-    check_rule(out, q, k, v, causal, features, seqlens, leftpad)
+    check_rule(out, q, k, v, causal, features, seqlens, leftpad, seqlens_q)
     return out
 
 
@@ -101,20 +101,21 @@ def test_head_dim_256_with_every_switch(setting: str) -> None:
     run(D256, (2, 4, 2, 200, 333, 256), setting, "bf16", seed=5)
 
 
-@pytest.mark.parametrize("feature, setting", [("window", "window-both"), ("softcap", "softcap"), ("seqlens", "ranges-causal")])
+@pytest.mark.parametrize("feature, setting", [("window", "window-both"), ("softcap", "softcap"), ("seqlens", "ranges-causal"),
+                                              ("seqlens", "queries-causal")])
 @pytest.mark.parametrize("name", ["tma-pp", "stmao-pp"])
 def test_a_wgmma_kernel_with_one_switch_matches_the_masked_reference(name: str, feature: str, setting: str) -> None:
     """One switch alone: SPLIT_TAIL stays on with the soft cap alone (5 query blocks x 28 heads =
     140 work tiles on 132 multiprocessors: a last round of 8, cut over every CTA)."""
-    causal, window, softcap, with_ranges = SETTINGS[setting]
+    causal, window, softcap, kind = SETTINGS[setting]
     shape = (4, 7, 1, 600, 600, 128)
     q, k, v = inputs(shape, torch.float16, seed=7, spread=2.0 if softcap else 1.0)
-    seqlens, leftpad = ranges(shape[0], shape[4], seed=1) if with_ranges else (None, None)
-    features = F.CallFeatures(window[0], window[1], softcap, with_ranges)
+    seqlens, leftpad, seqlens_q = call_ranges(kind, shape, seed=1)
+    features = F.CallFeatures(window[0], window[1], softcap, bool(kind))
     out = torch.full_like(q, float("nan"))
     values = {"window_left": window[0], "window_right": window[1], "softcap": softcap, "seqlens_k": seqlens,
-              "leftpad_k": leftpad}
+              "leftpad_k": leftpad, "seqlens_q": seqlens_q}
     kernel(ALL_CONFIGS[name], Variant(128, causal, "fp16", (feature,)))(q, k, v, out, features=values)
     torch.cuda.synchronize()
-    check_rule(out, q, k, v, causal, features, seqlens, leftpad)
+    check_rule(out, q, k, v, causal, features, seqlens, leftpad, seqlens_q)
 
