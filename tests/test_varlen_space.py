@@ -124,7 +124,10 @@ def test_a_bad_packed_shape_exits_2_from_the_cli_in_one_line(tmp_path: Path) -> 
 def test_the_backward_takes_no_packed_shape() -> None:
     doc = yaml.safe_load((Path(paths.__file__).parents[2] / "search_spaces" / "h100-backward.yaml").read_text())
     doc["problem"]["shapes"].append({"H": 8, "D": 64, "lengths": [5, 9]})
-    with pytest.raises(SpaceError, match="no soft cap, window or packed sequences"):
+    with pytest.raises(SpaceError, match="no soft cap, window, packed sequences or padded batch"):
+        parse_space(doc, "bwd.yaml")
+    doc["problem"]["shapes"][-1] = {"H": 8, "D": 64, "lengths": [5, 9], "padded": True}
+    with pytest.raises(SpaceError, match="no soft cap, window, packed sequences or padded batch"):
         parse_space(doc, "bwd.yaml")
 
 
@@ -148,10 +151,11 @@ def test_paths_without_packed_sequences_leave_the_space_but_not_its_dense_partit
 
 def test_the_llama_space_has_a_packed_case_whose_seeds_stay_in_their_partitions() -> None:
     space = load_space("llama3-8b")
-    packed = [c for c in space.cases if c.lengths]
+    packed = [c for c in space.cases if c.packed]
     assert len(packed) == 2 and {c.dtype for c in packed} == {"fp16", "bf16"} and all(c.causal for c in packed)
     parts = dict(split_cases(space, "head-dim"))
-    assert set(parts) == {"D128", "D128 bf16", "D128 decode", "D128 decode bf16", "D128 varlen", "D128 varlen bf16"}
+    assert set(parts) == {"D128", "D128 bf16", "D128 decode", "D128 decode bf16", "D128 varlen", "D128 varlen bf16",
+                          "D128 padded", "D128 padded bf16"}
     seeds = set(space.search.listed_seeds)
     assert {s for part in parts.values() for s in part.search.seeds} == seeds   # every seed searched somewhere
     assert all(s["PATH"] in {p for p in paths.PATHS if "varlen" in paths.get(p).features}

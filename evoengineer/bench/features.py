@@ -142,7 +142,8 @@ def serving_kernel(module: Any, dtype: str, row: FeatureRow) -> tuple[str, str]:
         return f"no {dtype} D{head_dim} causal kernel in this export", ""
     if row.gqa and not module.GQA:
         return "no GQA kernels in this export", ""
-    chosen = module.dispatch(dtype, head_dim, True, batch, heads, seq_q, seq_k, heads_kv)
+    chosen = module.dispatch(dtype, head_dim, True, batch, heads, seq_q, seq_k, heads_kv, varlen=row.feature == "varlen",
+                             padded=row.feature == "padding")
     if not row.needed:
         return "", chosen
     kernels = {key: SimpleNamespace(config=key[3], features=tuple(spec.get("features", ())))

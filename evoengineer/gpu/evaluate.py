@@ -77,7 +77,8 @@ class EvalResult:
 def gate_cases(space: Space, variant: Variant) -> list[Case]:
     """The space's shapes of this variant plus the edge shapes, grouped-query edge shapes when
     the variant's shapes have fewer K/V heads than query heads, and K/V-length edge shapes when
-    they have a K/V length other than the query length (decode)."""
+    they have a K/V length other than the query length (decode); packed and padded edge shapes
+    for variants of packed sequences and padded batches."""
     cases = [c for c in space.cases if c.variant == variant]
     gqa = any(c.heads_kv != c.heads for c in cases)
     kv_len = any(c.seq_kv != c.seq for c in cases)
@@ -90,6 +91,12 @@ def gate_cases(space: Space, variant: Variant) -> list[Case]:
             cases += [Case(len(n), h, max(n), d, causal, heads_kv=kv, dtype=dtype, lengths=n, **extra)
                       for h, kv, n in EDGE_GQA_LENGTHS]
         return list(dict.fromkeys(cases))
+    if "seqlens" in variant.features:  # padded batches: the packed edge lengths, padded past the longest
+        cases += [Case(len(n), h, max(n) + 3, d, causal, dtype=dtype, lengths=n, padded=True, **extra)
+                  for h, n in EDGE_LENGTHS]
+        if gqa:
+            cases += [Case(len(n), h, max(n) + 3, d, causal, heads_kv=kv, dtype=dtype, lengths=n, padded=True, **extra)
+                      for h, kv, n in EDGE_GQA_LENGTHS]
     cases += [Case(b, h, s, d, causal, dtype=dtype, **extra) for b, h, s in EDGE_SEQS]
     if gqa:
         cases += [Case(b, h, s, d, causal, heads_kv=kv, dtype=dtype, **extra) for b, h, kv, s in EDGE_GQA]
@@ -184,7 +191,7 @@ def _random_inputs(case: Case, seed: int) -> tuple[Any, Any, Any]:
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dtype = torch_dtype(case.dtype)
-    if case.lengths:
+    if case.packed:
         shapes = [(case.tokens, heads, case.head_dim) for heads in (case.heads, case.heads_kv, case.heads_kv)]
     else:
         shapes = [(case.batch, heads, seq, case.head_dim)
@@ -200,17 +207,29 @@ def case_offsets(case: Case) -> list[int]:
 
 
 def case_features(case: Case) -> dict[str, Any]:
-    """The feature arguments of a case's launches (empty for a plain case)."""
+    """The feature arguments of a case's launches (empty for a plain case; a padded batch's
+    lengths are tensors, ``launch_arguments``')."""
     if not case.features:
         return {}
     return {"softcap": case.softcap, "window_left": case.window[0], "window_right": case.window[1]}
 
 
+def case_lengths(case: Case, device: Any = "cuda") -> Any:
+    """A padded batch's lengths, int32 on ``device``: its seqlens_k and seqlens_q."""
+    import torch
+
+    return torch.tensor(case.lengths, dtype=torch.int32, device=device)
+
+
 def launch_arguments(case: Case, device: Any = "cuda") -> dict[str, Any]:
-    """The keywords of a case's launches: its feature arguments, and for packed sequences their
-    offsets as int32 on ``device`` (``launch.Packed``)."""
+    """The keywords of a case's launches: its feature arguments (a padded batch's lengths as
+    int32 on ``device``), and for packed sequences their offsets, int32 on ``device``
+    (``launch.Packed``)."""
     extra: dict[str, Any] = {"features": case_features(case)} if case.features else {}
-    if case.lengths:
+    if case.padded:
+        lengths = case_lengths(case, device)
+        extra["features"].update(seqlens_k=lengths, seqlens_q=lengths)
+    if case.packed:
         import torch
 
         from .launch import Packed
@@ -228,8 +247,12 @@ def case_reference(q: Any, k: Any, v: Any, case: Case, scale: float | None) -> A
         return reference(q, k, v, case.causal, scale)
     from ..runtime.features import CallFeatures, reference_attention
 
-    features = CallFeatures(case.window[0], case.window[1], case.softcap, varlen=bool(case.lengths))
-    if case.lengths:
+    features = CallFeatures(case.window[0], case.window[1], case.softcap, seqlens=case.padded, varlen=case.packed)
+    if case.padded:
+        lengths = case_lengths(case, q.device)
+        return reference_attention(q.float(), k.float(), v.float(), case.causal, scale, True, features, lengths, None,
+                                   lengths)
+    if case.packed:
         from ..runtime.varlen import reference_varlen
 
         offsets = case_offsets(case)
@@ -293,7 +316,7 @@ def _gate_job(launcher: Any, job: dict) -> dict:
 def input_set_bytes(case: Case) -> int:
     """Bytes of one input set: q and out (B, H, S, D), k and v (B, H_kv, S_kv, D), 16-bit elements
     (packed sequences: their tokens for B * S and B * S_kv)."""
-    if case.lengths:
+    if case.packed:
         return 2 * 2 * case.tokens * case.head_dim * (case.heads + case.heads_kv)
     return 2 * 2 * case.batch * case.head_dim * (case.heads * case.seq + case.heads_kv * case.seq_kv)
 
@@ -370,20 +393,54 @@ def _time_job(launcher: Any, job: dict) -> dict:
             "sampled_s": answer["sampled_s"]}
 
 
+def forced_backend(backend: str) -> Any:
+    """The ``SDPBackend`` an ``SDPA_BACKENDS`` name forces."""
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+
+
+def padding_mask(case: Case, device: Any) -> Any:
+    """A padded batch's boolean mask as an SDPA user passes it: causal (where the case is) and the
+    keys past each batch's length; its padded query rows are computed."""
+    from ..runtime.features import PLAIN, allowed_keys
+
+    return allowed_keys(case.batch, case.seq, case.seq_kv, case.causal, PLAIN, case_lengths(case, device), device=device)
+
+
 def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | None,
-            offsets: list[int] | None = None) -> Callable[[], Any]:
+            offsets: list[int] | None = None, mask: Any = None) -> Callable[[], Any]:
     """One call of attention on (B, H, S, D) inputs: an SDPA backend forced (``SDPA_BACKENDS``),
     SDPA as the user calls it with torch's own backend choice (``default``), or a peer
     library (``fa4``: flash-attn-4's ``flash_attn.cute``, timed on (B, S, H, D) copies).
     k and v with fewer heads than q: SDPA with ``enable_gqa=True``; flash-attn takes them as they are.
     ``offsets``: q, k and v are packed sequences (tokens, heads, D) of these offsets: SDPA per
-    sequence (``runtime.varlen.sdpa_per_sequence``), or flash-attn-4's varlen call."""
+    sequence (``runtime.varlen.sdpa_per_sequence``), or flash-attn-4's varlen call. ``mask``: a
+    padded batch's boolean mask (``padding_mask``) in place of ``causal``, K and V repeated to the
+    query heads; flash-attn-4 takes no such call here."""
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if offsets is not None:
         return _packed_sdpa_op(backend, q, k, v, causal, scale, offsets)
+    if mask is not None:
+        if backend == "fa4":
+            raise ValueError("flash-attn-4 is not timed on padded batches here")
+        from ..runtime.features import repeat_kv
+
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+        masked = {"attn_mask": mask}
+        if backend == "default":
+            return lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, **masked)
+        forced = forced_backend(backend)
+
+        def masked_op() -> Any:
+            with sdpa_kernel([forced]):
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, **masked)
+
+        return masked_op
     if backend == "default":
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
     if backend == "fa4":
@@ -391,8 +448,7 @@ def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | N
 
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         return lambda: flash_attn_func(qt, kt, vt, softmax_scale=scale, causal=causal)
-    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+    chosen = forced_backend(backend)
 
     def op() -> Any:
         with sdpa_kernel([chosen]):
@@ -405,7 +461,7 @@ def _packed_sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: f
                     offsets: list[int]) -> Callable[[], Any]:
     """``sdpa_op`` of packed sequences."""
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     from ..runtime.varlen import sdpa_per_sequence
 
@@ -418,8 +474,7 @@ def _packed_sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: f
                                               max_seqlen_k=longest, softmax_scale=scale, causal=causal)
     if backend == "default":
         return lambda: sdpa_per_sequence(q, k, v, offsets, offsets, causal, scale)
-    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+    chosen = forced_backend(backend)
 
     def op() -> Any:
         with sdpa_kernel([chosen]):
@@ -436,8 +491,9 @@ def _sdpa_job(job: dict) -> dict:
     sets = input_sets(case, job["timing"]["flush_l2"], job["seed"])
     for backend in job["backends"]:
         try:
-            offsets = case_offsets(case) if case.lengths else None
-            ops = [sdpa_op(backend, q, k, v, case.causal, job["scale"], offsets) for q, k, v, _ in sets]
+            offsets = case_offsets(case) if case.packed else None
+            mask = padding_mask(case, sets[0][0].device) if case.padded else None
+            ops = [sdpa_op(backend, q, k, v, case.causal, job["scale"], offsets, mask) for q, k, v, _ in sets]
             timed = _time_ops(ops, job["timing"]).to_json()
             out[backend] = {"status": "ok", "time": timed, "tflops": case.flops() / (timed["median_us"] * 1e-6) / 1e12}
         except Exception as exc:  # noqa: BLE001 - a backend that does not support the shape is a row, not a crash

@@ -321,7 +321,8 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
     used = sorted({s.config_id for s in specs})
     fingerprint = json.dumps([sorted((s.key, s.rendered.source_hash) for s in specs),
                               sorted((k, v[0], [(w.shape.batch * w.shape.heads, w.shape.seq_q, w.shape.seq_k,
-                                                 max(1, w.shape.heads // w.shape.heads_kv), w.config, w.shape.varlen)
+                                                 max(1, w.shape.heads // w.shape.heads_kv), w.config, w.shape.varlen,
+                                                 w.shape.padded)
                                                 for w in v[1]])
                                      for k, v in dispatch.items()), backward_info], default=str, sort_keys=True)
     namespace = "evoengineer_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:8]
@@ -346,11 +347,13 @@ def _write(out: Path, module_name: str, per: PerShape, specs: list[KernelSpec], 
             "variants": [{"dtype": k[0], "head_dim": k[1], "causal": k[2], "fallback": v[0], "measured_cases": len(v[1]),
                           "cases": [{"batch": w.shape.batch, "heads": w.shape.heads, "heads_kv": w.shape.heads_kv,
                                      "seq_q": w.shape.seq_q, "seq_k": w.shape.seq_k, "config": w.config,
-                                     **({"varlen": True} if w.shape.varlen else {})} for w in v[1]]}
+                                     **({"varlen": True} if w.shape.varlen else {}),
+                                     **({"padded": True} if w.shape.padded else {})} for w in v[1]]}
                          for k, v in dispatch.items()],
             "table": [{"case": w.label, **{f: getattr(w.shape, f) for f in ("dtype", "batch", "heads", "heads_kv", "seq_q",
                                                                           "seq_k", "head_dim", "causal")},
-                       **({"lengths": list(w.shape.lengths)} if w.shape.varlen else {}),
+                       **({"lengths": list(w.shape.lengths)} if w.shape.lengths else {}),
+                       **({"padded": True} if w.shape.padded else {}),
                        "config": w.config, "config_short": short_config(per.configs[w.config].config),
                        "median_us": w.median_us, "candidates": w.candidates, "sdpa_backend": w.sdpa_backend,
                        "sdpa_us": w.sdpa_us, "speedup_vs_sdpa": w.speedup, "run": w.run}

@@ -56,6 +56,8 @@ class Shape:
     kernel with them."""
     lengths: tuple[int, ...] = ()
     """Packed sequences' lengths (``batch`` of them, ``seq_q`` and ``seq_k`` the longest); empty: dense."""
+    padded: bool = False
+    """With ``lengths``: a padded dense batch (``seq_q`` long) whose batch b ends at ``lengths[b]``."""
 
     @property
     def variant_key(self) -> tuple[str, int, bool]:
@@ -64,7 +66,7 @@ class Shape:
     @property
     def varlen(self) -> bool:
         """A case on packed sequences: calls of ``attention_varlen`` dispatch among these."""
-        return bool(self.lengths)
+        return bool(self.lengths) and not self.padded
 
     def point(self) -> tuple[float, float, float, float]:
         """The coordinates the dispatch distance is measured in."""
@@ -74,7 +76,8 @@ class Shape:
         heads = f"H{self.heads}" + (f"/{self.heads_kv}" if self.heads_kv != self.heads else "")
         seq = f"S{self.seq_q}" if self.seq_q == self.seq_k else f"S{self.seq_q}/{self.seq_k}"
         if self.lengths:
-            seq = f"varlen {min(self.lengths)}..{max(self.lengths)} T{sum(self.lengths)}"
+            seq = (f"{'padded' if self.padded else 'varlen'} {min(self.lengths)}..{max(self.lengths)} "
+                   f"T{sum(self.lengths)}{f' {seq}' if self.padded else ''}")
         return f"B{self.batch} {heads} {seq} D{self.head_dim}{' causal' if self.causal else ''} {self.dtype}"
 
 
@@ -83,7 +86,7 @@ def nearest(cases: Sequence[tuple[Shape, str]], shape: Shape) -> str | None:
     rule (``DISPATCH_RULE``), or None when the variant has no case."""
     pool = [(case, config_id) for case, config_id in cases if case.variant_key == shape.variant_key]
     index = nearest_index([case for case, _ in pool], shape.batch, shape.heads, shape.heads_kv, shape.seq_q, shape.seq_k,
-                          shape.varlen)
+                          shape.varlen, shape.padded)
     return None if index is None else pool[index][1]
 
 
@@ -116,6 +119,7 @@ def case_shape(case: Case, space: Space) -> Shape:
         causal=bool(case.causal),
         features=tuple(getattr(case, "features", ())),
         lengths=tuple(getattr(case, "lengths", ())),
+        padded=bool(getattr(case, "padded", False)),
     )
 
 

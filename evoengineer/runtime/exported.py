@@ -55,12 +55,13 @@ class ExportedAttention:
         return cls(read_kernel_file(path))
 
     def dispatch(self, dtype: Any, head_dim: int, causal: bool, batch: int, heads: int, seq_q: int, seq_k: int,
-                 heads_kv: int | None = None, varlen: bool = False) -> str:
+                 heads_kv: int | None = None, varlen: bool = False, padded: bool = False) -> str:
         """The configuration id (a key of ``configs``) that serves such a call (``dispatch.RULE``).
         ``dtype``: 'fp16', 'bf16' or a torch dtype; ``varlen``: an ``attention_varlen`` call of
-        ``batch`` sequences, ``seq_q`` and ``seq_k`` the longest."""
+        ``batch`` sequences, ``seq_q`` and ``seq_k`` the longest; ``padded``: a call with
+        ``seqlens_q`` (a padded batch)."""
         name = dtype if isinstance(dtype, str) else DTYPE_NAMES.get(dtype, str(dtype))
-        return self.table.choose(name, head_dim, causal, batch, heads, seq_q, seq_k, heads_kv, varlen)
+        return self.table.choose(name, head_dim, causal, batch, heads, seq_q, seq_k, heads_kv, varlen, padded)
 
     def dispatch_backward(self, dtype: Any, head_dim: int, causal: bool, batch: int, heads: int, seq_q: int,
                           seq_k: int, heads_kv: int | None = None, deterministic: bool = False) -> str:

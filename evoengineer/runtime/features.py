@@ -56,6 +56,8 @@ class CallFeatures:
     seqlens: bool = False
     varlen: bool = False
     """Packed sequences (``attention_varlen``): offsets ``cu_seqlens_q``, ``cu_seqlens_k`` per call."""
+    padded: bool = False
+    """A padded batch (``seqlens_q``): dispatched among the measured padded cases (``dispatch``)."""
 
     def needed(self, causal: bool) -> tuple[str, ...]:
         """The switches a kernel needs to serve this call (sorted)."""
@@ -85,7 +87,8 @@ def call_features(window_size: Any = None, softcap: float | None = None, seqlens
     cap = 0.0 if softcap is None else float(softcap)
     if not cap >= 0 or math.isinf(cap):
         raise ValueError(f"attention: softcap must be a finite number >= 0 (0: none), got {softcap!r}")
-    return CallFeatures(left, right, cap, seqlens_k is not None or leftpad_k is not None or seqlens_q is not None)
+    return CallFeatures(left, right, cap, seqlens_k is not None or leftpad_k is not None or seqlens_q is not None,
+                        padded=seqlens_q is not None)
 
 
 def check_ranges(q: Any, seqlens_k: Any, leftpad_k: Any, seqlens_q: Any = None) -> None:

@@ -351,7 +351,7 @@ def parse_kernel_file(doc: Any, path: Path) -> ExportData:
             case = _Fields(case_doc, f"{entry.where}.cases[{j}]", path)
             cases.append(MeasuredCase(case.integer("batch", 1), case.integer("heads", 1), case.integer("heads_kv", 1),
                                       case.integer("seq_q", 1), case.integer("seq_k", 1), case.text("config"),
-                                      case.flag("varlen", default=False)))
+                                      case.flag("varlen", default=False), case.flag("padded", default=False)))
         table = VariantTable(entry.text("fallback"), tuple(cases))
         for what, cid in (("fallback", table.fallback), *((f"cases[{j}].config", c.config) for j, c in enumerate(cases))):
             if (*variant, cid) not in kernels:

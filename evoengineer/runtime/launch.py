@@ -229,7 +229,7 @@ class Launcher:
             raise ValueError(f"attention: batch * heads = {batch * heads} exceeds the grid's {MAX_GRID_ROWS} (the kernels "
                              "put one (batch, head) per grid row); split the batch")
         dtype, causal = DTYPE_NAMES[q.dtype], bool(is_causal)
-        cid = self.table.choose(dtype, head_dim, causal, batch, heads, seq_q, seq_k, heads_kv)
+        cid = self.table.choose(dtype, head_dim, causal, batch, heads, seq_q, seq_k, heads_kv, padded=features.padded)
         needed = features.needed(causal)
         if needed:  # a kernel built with the call's features (``features.select_kernel``)
             spec = select_kernel(self.data.kernels, (dtype, head_dim, causal), cid,

@@ -70,7 +70,7 @@ REGIME_TILE_ROWS = 128
 def small_shape(case: Case, sms: int) -> bool:
     """Whether ``case`` gives fewer work tiles of ``REGIME_TILE_ROWS`` query rows than the GPU has
     ``sms``: its kernel runs one partial wave and its time is a tile's latency. Decode and packed
-    sequences are partitions of their own and never small."""
+    sequences and padded batches are partitions of their own and never small."""
     if case.seq == 1 or case.lengths:
         return False
     return case.batch * case.heads * -(-case.seq // REGIME_TILE_ROWS) < sms
@@ -80,9 +80,10 @@ def _name(case: Case, by: str) -> str:
     dtype = "" if case.dtype == "fp16" else f" {case.dtype}"  # as case labels: fp16 unnamed
     if by == "shape":
         shape = Case(case.batch, case.heads, case.seq, case.head_dim, False, heads_kv=case.heads_kv, seq_kv=case.seq_kv,
-                     lengths=case.lengths)
+                     lengths=case.lengths, padded=case.padded)
         return shape.label() + dtype
-    return f"D{case.head_dim}{' decode' if case.seq == 1 and not case.lengths else ''}{' varlen' if case.lengths else ''}{dtype}"
+    layout = " padded" if case.padded else " varlen" if case.lengths else " decode" if case.seq == 1 else ""
+    return f"D{case.head_dim}{layout}{dtype}"
 
 
 def split_cases(space: Space, by: str) -> list[tuple[str, Space]]:

@@ -113,6 +113,9 @@ class Case:
     """Packed variable-length sequences (``attention_varlen``; empty: the dense layout): each
     sequence's query count, its key count the same; ``batch`` is their count, ``seq`` and
     ``seq_kv`` the longest (the launch's S_q and S_k)."""
+    padded: bool = False
+    """With ``lengths``: a padded dense batch instead (``attention(seqlens_k=, seqlens_q=)``): batch
+    b's queries and keys past ``lengths[b]`` are padding, its tensors ``seq`` long."""
 
     def __post_init__(self) -> None:
         if self.heads_kv is None:
@@ -122,9 +125,16 @@ class Case:
         if self.lengths:
             object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
             longest = max(self.lengths)
-            if min(self.lengths) < 1 or (self.batch, self.seq, self.seq_kv) != (len(self.lengths), longest, longest):
+            if self.padded and (min(self.lengths) < 1 or self.batch != len(self.lengths) or self.seq < longest
+                                or self.seq_kv != self.seq):
+                raise ValueError(f"padded lengths {list(self.lengths)[:8]} must be >= 1, as many as the batch "
+                                 f"{self.batch}, at most S = S_KV ({self.seq}, {self.seq_kv})")
+            if not self.padded and (min(self.lengths) < 1
+                                    or (self.batch, self.seq, self.seq_kv) != (len(self.lengths), longest, longest)):
                 raise ValueError(f"packed lengths {list(self.lengths)[:8]} must be >= 1, as many as the batch "
                                  f"{self.batch}, the longest S = S_KV ({self.seq}, {self.seq_kv})")
+        elif self.padded:
+            raise ValueError("a padded case needs its lengths")
         if self.heads_kv < 1 or self.heads % self.heads_kv:
             raise ValueError(f"K/V heads {self.heads_kv} must divide the query heads {self.heads}")
         if self.seq < 1 or self.seq_kv < 1:
@@ -136,8 +146,13 @@ class Case:
     def features(self) -> tuple[str, ...]:
         """The kernel features this case needs (sorted)."""
         window = self.window[0] >= 0 or (self.window[1] >= 0 and not self.causal)
-        return tuple(name for name, on in (("softcap", self.softcap > 0), ("varlen", bool(self.lengths)),
-                                           ("window", window)) if on)
+        return tuple(name for name, on in (("seqlens", self.padded), ("softcap", self.softcap > 0),
+                                           ("varlen", self.packed), ("window", window)) if on)
+
+    @property
+    def packed(self) -> bool:
+        """Packed sequences (``attention_varlen``'s layout), not a padded dense batch."""
+        return bool(self.lengths) and not self.padded
 
     @property
     def variant(self) -> Variant:
@@ -151,11 +166,13 @@ class Case:
     def label(self) -> str:
         """``B1 H8 S512 D64 causal``; GQA shows the K/V heads (``H32/8``), a K/V length other than
         the query length follows it (``S1/4096``), bf16 adds `` bf16``. Packed sequences read
-        ``varlen 1..4099 T5116`` for S: the shortest and longest length and the tokens in all."""
+        ``varlen 1..4099 T5116`` for S: the shortest and longest length and the tokens in all; a
+        padded batch ``padded 512..2048 T5120 S2048``."""
         heads = f"{self.heads}" if self.heads_kv == self.heads else f"{self.heads}/{self.heads_kv}"
         seq = f"S{self.seq}" if self.seq_kv == self.seq else f"S{self.seq}/{self.seq_kv}"
         if self.lengths:
-            seq = f"varlen {min(self.lengths)}..{max(self.lengths)} T{sum(self.lengths)}"
+            seq = (f"{'padded' if self.padded else 'varlen'} {min(self.lengths)}..{max(self.lengths)} "
+                   f"T{sum(self.lengths)}{f' {seq}' if self.padded else ''}")
         return (f"B{self.batch} H{heads} {seq} D{self.head_dim}{' causal' if self.causal else ''}"
                 f"{'' if self.dtype == 'fp16' else ' ' + self.dtype}"
                 f"{f' softcap{self.softcap:g}' if self.softcap > 0 else ''}"
@@ -163,13 +180,14 @@ class Case:
 
     @property
     def tokens(self) -> int:
-        """Query rows of one call: B * S, or the packed sequences' lengths summed."""
-        return sum(self.lengths) if self.lengths else self.batch * self.seq
+        """Query rows of one call's tensors: B * S, or the packed sequences' lengths summed."""
+        return sum(self.lengths) if self.packed else self.batch * self.seq
 
     def flops(self) -> float:
         """Matmul FLOPs of the forward pass (QK^T and PV) over the (query, key) pairs attended
         (``attended_pairs``), per batch entry, or per sequence of packed ones (each with as many
-        keys as queries, where bottom-right and top-left alignment agree)."""
+        keys as queries, where bottom-right and top-left alignment agree; a padded batch's
+        sequences alike: its padding is skipped)."""
         if self.lengths:
             pairs = sum(attended_pairs(n, n, self.causal) for n in self.lengths)
         else:
@@ -636,7 +654,7 @@ _RECORDED_TOP = ("name", "description", "target", "problem", "params", "constrai
 KINDS = ("attention", "recorded")
 _TARGET_KEYS = ("name", "arch", "sms", "smem_per_block")
 _PROBLEM_KEYS = ("kind", "dtype", "scale", "shapes")
-_SHAPE_KEYS = ("B", "H", "H_KV", "S", "S_KV", "D", "causal", "softcap", "window", "lengths")
+_SHAPE_KEYS = ("B", "H", "H_KV", "S", "S_KV", "D", "causal", "softcap", "window", "lengths", "padded")
 _LENGTHS_KEYS = ("count", "min", "max", "seed")
 MAX_SEQUENCES = 4096
 """Packed sequences a shape may list or draw (``lengths``)."""
@@ -859,7 +877,7 @@ def parse_space(data: Any, display: str, path: Path | None = None) -> Space:
         if "paths" not in root:
             v.fail("paths", f"the {template} template's space is written per path (paths: mma: ...)")
         if any(c.features for c in cases):
-            v.fail("problem.shapes", "the backward takes no soft cap, window or packed sequences")
+            v.fail("problem.shapes", "the backward takes no soft cap, window, packed sequences or padded batch")
 
     space_env_names = {"SMEM_LIMIT", "SMS", "ARCH", "ARCH_NAME", "HEAD_DIMS", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "FEATURES"}
     path_spaces: tuple[PathSpace, ...] = ()
@@ -994,14 +1012,21 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",),
         if heads % heads_kv:
             v.fail(f"{key}.H_KV", f"K/V heads must divide the query heads H={heads}, got {heads_kv}")
         lengths: tuple[int, ...] = ()
+        padded = v.boolean(s.get("padded", False), f"{key}.padded")
+        if padded and "lengths" not in s:
+            v.fail(f"{key}.padded", "a padded batch needs its lengths (each sequence's length, the rest padding)")
         if "lengths" in s:
             lengths = _parse_lengths(v, s["lengths"], f"{key}.lengths")
-            for name in ("S", "S_KV"):
+            for name in ("S_KV",) if padded else ("S", "S_KV"):
                 if name in s:
-                    v.fail(f"{key}.{name}", "a shape with lengths takes its sequence lengths from them; leave S and S_KV out")
+                    v.fail(f"{key}.{name}", "a shape with lengths takes its sequence lengths from them; leave "
+                                            f"{'S_KV' if padded else 'S and S_KV'} out")
             if "B" in s and v.integer(s["B"], f"{key}.B", minimum=1) != len(lengths):
                 v.fail(f"{key}.B", f"expected the number of lengths ({len(lengths)}) or no B, got {s['B']}")
-        seq = max(lengths) if lengths else v.integer(s["S"], f"{key}.S", minimum=1)
+            if padded and "S" in s and v.integer(s["S"], f"{key}.S", minimum=1) < max(lengths):
+                v.fail(f"{key}.S", f"a padded batch is at least its longest length ({max(lengths)}) long, got {s['S']}")
+        seq = (v.integer(s["S"], f"{key}.S", minimum=1) if padded and "S" in s else max(lengths) if lengths
+               else v.integer(s["S"], f"{key}.S", minimum=1))
         seq_kv = seq if lengths else v.integer(s.get("S_KV", seq), f"{key}.S_KV", minimum=1)
         softcap = v.number(s["softcap"], f"{key}.softcap", positive=True) if "softcap" in s else 0.0
         window = (-1, -1)
@@ -1031,6 +1056,7 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",),
                         softcap=softcap,
                         window=window,
                         lengths=lengths,
+                        padded=padded,
                     )
                 )
         for case in cases[first:]:
