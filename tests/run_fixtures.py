@@ -151,3 +151,36 @@ def stand_in_driver(calls: list, status: int = 0) -> tuple:
     keep = [tensormap._ENCODE(encode), tensormap._REPLACE(replace)]
     return tensormap.Driver(*[ctypes.cast(f, ctypes.c_void_p).value for f in keep]), keep
 
+
+
+def replayed_partitioned_search(tmp_path: Path, doc: dict, us, sdpa_us) -> tuple[Path, Path]:
+    """(a run of ``search --replay`` over ``doc`` in its head-dim partitions, its export directory):
+    every valid configuration of each partition recorded with ``us(config, case label)``
+    microseconds, SDPA at ``sdpa_us(case)``."""
+    import math
+
+    from evoengineer.cli.main import main
+    from evoengineer.results import export_runs
+    from evoengineer.search.partition import split_cases
+    from evoengineer.space import parse_space
+
+    name = doc["name"]
+    space = parse_space(doc, f"{name}.yaml")
+    times: dict[Config, dict[str, float]] = {}
+    for _, part in split_cases(space, "head-dim"):
+        for config in part.valid_configs():
+            times.setdefault(config, {}).update({c.label(): us(config, c.label()) for c in part.cases})
+    sdpa = {c.label(): sdpa_us(c) for c in space.cases}
+    lines = [{"header": {"space_inline": doc, "gpu": GPU, "sdpa_fastest_us": sdpa}}]
+    for config, cases in times.items():
+        lines.append({"config": config.to_dict(), "key": config.key(), "status": "ok", "cases": cases,
+                      "objective_us": math.exp(sum(map(math.log, cases.values())) / len(cases))})
+    recording = tmp_path / f"{name}.jsonl"
+    recording.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = tmp_path / "run"
+    assert main(["search", "--space", str(tmp_path / f"{name}.yaml"), "--replay", str(recording), "--run-dir", str(run),
+                 "--quiet", "--seed", "1", "--trials", "40"]) == 0
+    out = tmp_path / "out"
+    export_runs([run], out)
+    return run, out

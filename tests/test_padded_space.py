@@ -5,18 +5,15 @@ features, the gate's padded edge shapes, its own partition, and an export that s
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
-import yaml
 
 from test_varlen_space import SPACE
 
-from evoengineer.cli.main import main
 from evoengineer.gpu import gate_cases
 from evoengineer.gpu.evaluate import EDGE_LENGTHS, input_set_bytes
-from evoengineer.results import export_runs, load_leaderboard, per_shape_winners
+from evoengineer.results import load_leaderboard, per_shape_winners
 from evoengineer.search.partition import split_cases
 from evoengineer.space import Case, Config, SpaceError, parse_space
 
@@ -88,26 +85,9 @@ def _us(config: Config, label: str) -> float:
 @pytest.fixture
 def searched(tmp_path: Path) -> tuple[Path, Path]:
     """(a run of a replayed search of the padded space in partitions, its export directory)."""
-    doc = _doc()
-    space = parse_space(doc, "padded.yaml")
-    times: dict[Config, dict[str, float]] = {}
-    for _, part in split_cases(space, "head-dim"):
-        for config in part.valid_configs():
-            times.setdefault(config, {}).update({c.label(): _us(config, c.label()) for c in part.cases})
-    sdpa = {c.label(): 150.0 if c.lengths else 120.0 for c in space.cases}
-    lines = [{"header": {"space_inline": doc, "gpu": "NVIDIA H100 80GB HBM3", "sdpa_fastest_us": sdpa}}]
-    for config, cases in times.items():
-        lines.append({"config": config.to_dict(), "key": config.key(), "status": "ok", "cases": cases,
-                      "objective_us": math.exp(sum(map(math.log, cases.values())) / len(cases))})
-    recording = tmp_path / "padded.jsonl"
-    recording.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    (tmp_path / "padded.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-    run = tmp_path / "run"
-    assert main(["search", "--space", str(tmp_path / "padded.yaml"), "--replay", str(recording), "--run-dir", str(run),
-                 "--quiet", "--seed", "1", "--trials", "40"]) == 0
-    out = tmp_path / "out"
-    export_runs([run], out)
-    return run, out
+    from run_fixtures import replayed_partitioned_search
+
+    return replayed_partitioned_search(tmp_path, _doc(), _us, lambda c: 150.0 if c.lengths else 120.0)
 
 
 def test_the_export_serves_calls_with_query_lengths_by_the_padded_case_winner(searched: tuple[Path, Path]) -> None:

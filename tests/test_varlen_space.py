@@ -5,7 +5,6 @@ to the packed case's winner with a varlen kernel."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +13,10 @@ import pytest
 import yaml
 
 from evoengineer import paths
-from evoengineer.cli.main import main
 from evoengineer.gpu import gate_cases
 from evoengineer.gpu.evaluate import EDGE_LENGTHS, input_set_bytes
 from evoengineer.kernels import build_config
-from evoengineer.results import export_runs, load_leaderboard, per_shape_winners
+from evoengineer.results import load_leaderboard, per_shape_winners
 from evoengineer.runtime import varlen as V
 from evoengineer.search.partition import split_cases
 from evoengineer.space import Case, Config, SpaceError, load_space, parse_space
@@ -210,25 +208,9 @@ def _us(config: Config, label: str) -> float:
 @pytest.fixture
 def searched(tmp_path: Path) -> tuple[Path, Path]:
     """(a run of a replayed search of SPACE in partitions, its export directory)."""
-    space = parse_space(SPACE, "packed.yaml")
-    times: dict[Config, dict[str, float]] = {}
-    for _, part in split_cases(space, "head-dim"):
-        for config in part.valid_configs():
-            times.setdefault(config, {}).update({c.label(): _us(config, c.label()) for c in part.cases})
-    sdpa = {c.label(): 150.0 if c.lengths else 120.0 for c in space.cases}
-    lines = [{"header": {"space_inline": SPACE, "gpu": "NVIDIA H100 80GB HBM3", "sdpa_fastest_us": sdpa}}]
-    for config, cases in times.items():
-        lines.append({"config": config.to_dict(), "key": config.key(), "status": "ok", "cases": cases,
-                      "objective_us": math.exp(sum(map(math.log, cases.values())) / len(cases))})
-    recording = tmp_path / "packed.jsonl"
-    recording.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    (tmp_path / "packed.yaml").write_text(yaml.safe_dump(SPACE, sort_keys=False))
-    run = tmp_path / "run"
-    assert main(["search", "--space", str(tmp_path / "packed.yaml"), "--replay", str(recording), "--run-dir", str(run),
-                 "--quiet", "--seed", "1", "--trials", "40"]) == 0
-    out = tmp_path / "out"
-    export_runs([run], out)
-    return run, out
+    from run_fixtures import replayed_partitioned_search
+
+    return replayed_partitioned_search(tmp_path, SPACE, _us, lambda c: 150.0 if c.lengths else 120.0)
 
 
 def test_a_replayed_search_of_a_packed_case_ranks_it_in_its_own_partition(searched: tuple[Path, Path]) -> None:

@@ -3,16 +3,15 @@ per-batch lengths on padded inputs and fails a launch that computes the padding;
 search over a padded case records ok evaluations and a time against SDPA's masked call."""
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from evoengineer.kernels import compile_source, render
-from evoengineer.space import Case, Config, Variant
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from evoengineer.kernels import compile_source, render  # noqa: E402
+from evoengineer.space import Case, Config, Variant  # noqa: E402
 
 try:
     import torch
@@ -75,32 +74,7 @@ def test_the_gate_fails_a_launch_that_computes_the_padded_rows() -> None:
 
 
 def test_a_small_search_over_a_padded_case_times_it_against_sdpa_with_the_mask(tmp_path: Path) -> None:
-    space = {
-        "name": "padded-gpu",
-        "target": {"name": "NVIDIA H100 / H200", "arch": "sm_90a", "sms": 132, "smem_per_block": 232448},
-        "problem": {"dtype": "fp16", "shapes": [
-            {"B": 2, "H": 8, "S": 512, "D": 64, "causal": True},
-            {"H": 8, "H_KV": 2, "D": 64, "causal": True, "lengths": list(LENGTHS), "padded": True},
-        ]},
-        "template": "flash_attention",
-        "params": {"BLOCK_M": [64], "BLOCK_N": [32, 64]},
-        "paths": {"mma": {"params": {"WARPS": [4], "VEC": [8], "STAGES": [1, 2]}}},
-        "timing": {"warmup": 3, "repetitions": 20, "min_repetitions": 5},
-        "search": {"strategy": "random", "budget": 3, "top_k": 2},
-    }
-    (tmp_path / "padded.yaml").write_text(yaml.safe_dump(space, sort_keys=False))
-    shape = f"{len(LENGTHS)},8,{max(LENGTHS)},64"
-    done = subprocess.run([sys.executable, "-m", "evoengineer", "search", "--space", "padded.yaml", "--shape", shape,
-                           "--trials", "3", "--run-dir", "run", "--quiet"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr + done.stdout
-    run = tmp_path / "run"
-    records = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines() if line.strip()]
-    label = "B5 H8/2 padded 1..1024 T1407 S1024 D64 causal"
-    ok = [r for r in records if r["status"] == "ok"]
-    assert ok, [(r["status"], r["reason"]) for r in records]
-    assert all(label in {c["label"] for c in r["cases"] if c.get("time")} for r in ok)
-    baseline = json.loads((run / "baseline.json").read_text())
-    assert any(row.get("status") == "ok" for row in baseline[label].values())
-    board = json.loads((run / "leaderboard.json").read_text())
-    assert board["entries"] and all(e["speedup"] for e in board["entries"])
+    from test_varlen_space_gpu import small_search
+
+    shape = {"H": 8, "H_KV": 2, "D": 64, "causal": True, "lengths": list(LENGTHS), "padded": True}
+    small_search(tmp_path, shape, {"B5 H8/2 padded 1..1024 T1407 S1024 D64 causal"})

@@ -80,29 +80,29 @@ def test_a_kernel_without_the_switch_cannot_launch_packed_sequences() -> None:
         _gate(kernel, Case(2, 2, 77, 64, False, lengths=(77, 5)))
 
 
-def test_a_small_search_over_a_packed_case_times_it_against_sdpa_per_sequence(tmp_path: Path) -> None:
+def small_search(tmp_path: Path, shape: dict, labels: set[str]) -> None:
+    """A real three-trial search of a dense shape and ``shape`` (``--shape`` selecting the latter's
+    B, H, longest length, D) records ok evaluations timing the cases ``labels``, an SDPA baseline
+    for each and a leaderboard with speed-ups."""
     space = {
-        "name": "packed-gpu",
+        "name": "lengths-gpu",
         "target": {"name": "NVIDIA H100 / H200", "arch": "sm_90a", "sms": 132, "smem_per_block": 232448},
-        "problem": {"dtype": "fp16", "shapes": [
-            {"B": 2, "H": 8, "S": 512, "D": 64, "causal": True},
-            {"H": 8, "H_KV": 2, "D": 64, "causal": [False, True], "lengths": list(LENGTHS)},
-        ]},
+        "problem": {"dtype": "fp16", "shapes": [{"B": 2, "H": 8, "S": 512, "D": 64, "causal": True}, shape]},
         "template": "flash_attention",
         "params": {"BLOCK_M": [64], "BLOCK_N": [32, 64]},
         "paths": {"mma": {"params": {"WARPS": [4], "VEC": [8], "STAGES": [1, 2]}}},
         "timing": {"warmup": 3, "repetitions": 20, "min_repetitions": 5},
         "search": {"strategy": "random", "budget": 3, "top_k": 2},
     }
-    (tmp_path / "packed.yaml").write_text(yaml.safe_dump(space, sort_keys=False))
-    shape = f"{len(LENGTHS)},8,{max(LENGTHS)},64"
-    done = subprocess.run([sys.executable, "-m", "evoengineer", "search", "--space", "packed.yaml", "--shape", shape,
+    (tmp_path / "lengths.yaml").write_text(yaml.safe_dump(space, sort_keys=False))
+    lengths = shape["lengths"]
+    selected = f"{len(lengths)},{shape['H']},{max(lengths)},{shape['D']}"
+    done = subprocess.run([sys.executable, "-m", "evoengineer", "search", "--space", "lengths.yaml", "--shape", selected,
                            "--trials", "3", "--run-dir", "run", "--quiet"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr + done.stdout
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines() if line.strip()]
-    labels = {"B5 H8/2 varlen 1..1024 T1407 D64", "B5 H8/2 varlen 1..1024 T1407 D64 causal"}
     ok = [r for r in records if r["status"] == "ok"]
     assert ok, [(r["status"], r["reason"]) for r in records]
     assert all(labels <= {c["label"] for c in r["cases"] if c.get("time")} for r in ok)
@@ -110,3 +110,8 @@ def test_a_small_search_over_a_packed_case_times_it_against_sdpa_per_sequence(tm
     assert all(any(row.get("status") == "ok" for row in baseline[label].values()) for label in labels)
     board = json.loads((run / "leaderboard.json").read_text())
     assert board["entries"] and all(e["speedup"] for e in board["entries"])
+
+
+def test_a_small_search_over_a_packed_case_times_it_against_sdpa_per_sequence(tmp_path: Path) -> None:
+    shape = {"H": 8, "H_KV": 2, "D": 64, "causal": [False, True], "lengths": list(LENGTHS)}
+    small_search(tmp_path, shape, {"B5 H8/2 varlen 1..1024 T1407 D64", "B5 H8/2 varlen 1..1024 T1407 D64 causal"})
