@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 from ..gpu import fastest_sdpa
 from ..runtime.dispatch import RULE, nearest_index, point
 from ..search import RunDir, best_results
-from ..space import Case, Config, Space, Variant, load_space
+from ..space import Case, Config, Space, Variant, lengths_label, load_space
 
 DISPATCH_RULE = RULE
 """The rule every export dispatches by (``evoengineer.runtime.dispatch``)."""
@@ -75,9 +75,7 @@ class Shape:
     def label(self) -> str:
         heads = f"H{self.heads}" + (f"/{self.heads_kv}" if self.heads_kv != self.heads else "")
         seq = f"S{self.seq_q}" if self.seq_q == self.seq_k else f"S{self.seq_q}/{self.seq_k}"
-        if self.lengths:
-            seq = (f"{'padded' if self.padded else 'varlen'} {min(self.lengths)}..{max(self.lengths)} "
-                   f"T{sum(self.lengths)}{f' {seq}' if self.padded else ''}")
+        seq = lengths_label(self.lengths, self.padded, seq)
         return f"B{self.batch} {heads} {seq} D{self.head_dim}{' causal' if self.causal else ''} {self.dtype}"
 
 

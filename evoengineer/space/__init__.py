@@ -23,6 +23,7 @@ from .model import (
     Timing,
     Variant,
     format_shape,
+    lengths_label,
     load_space,
     parse_duration,
     parse_shape,
@@ -33,6 +34,6 @@ from .model import (
 
 __all__ = [
     "DEFAULT_TOLERANCES", "DTYPES", "STRATEGIES", "Case", "Config", "Constraint", "ExpressionError", "Param", "ParamValue", "SafeExpression",
-    "SearchSettings", "Space", "SpaceError", "Target", "Timing", "Variant", "format_shape", "load_space", "parse_duration",
+    "SearchSettings", "Space", "SpaceError", "Target", "Timing", "Variant", "format_shape", "lengths_label", "load_space", "parse_duration",
     "parse_expression", "parse_shape", "parse_space", "path_component", "resolve_space_path",
 ]

@@ -91,6 +91,15 @@ def attended_pairs(sq: int, sk: int, causal: bool) -> float:
     return sk * sk / 2.0 + float(sq - sk) * sk
 
 
+def lengths_label(lengths: Sequence[int], padded: bool, seq: str) -> str:
+    """The S part of a case label: ``seq`` (``S512``, ``S1/4096``), packed sequences
+    ``varlen 1..4099 T5116`` (shortest, longest, tokens), a padded batch ``padded 512..2048 T5120 S2048``."""
+    if not lengths:
+        return seq
+    spread = f"{min(lengths)}..{max(lengths)} T{sum(lengths)}"
+    return f"padded {spread} {seq}" if padded else f"varlen {spread}"
+
+
 @dataclass(frozen=True)
 class Case:
     """One problem instance: batch, query heads, query length ``seq``, head dim, causal, K/V heads
@@ -125,14 +134,11 @@ class Case:
         if self.lengths:
             object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
             longest = max(self.lengths)
-            if self.padded and (min(self.lengths) < 1 or self.batch != len(self.lengths) or self.seq < longest
-                                or self.seq_kv != self.seq):
-                raise ValueError(f"padded lengths {list(self.lengths)[:8]} must be >= 1, as many as the batch "
-                                 f"{self.batch}, at most S = S_KV ({self.seq}, {self.seq_kv})")
-            if not self.padded and (min(self.lengths) < 1
-                                    or (self.batch, self.seq, self.seq_kv) != (len(self.lengths), longest, longest)):
-                raise ValueError(f"packed lengths {list(self.lengths)[:8]} must be >= 1, as many as the batch "
-                                 f"{self.batch}, the longest S = S_KV ({self.seq}, {self.seq_kv})")
+            fits = self.seq >= longest if self.padded else self.seq == longest   # padded: S at least the longest
+            if min(self.lengths) < 1 or self.batch != len(self.lengths) or not fits or self.seq_kv != self.seq:
+                raise ValueError(f"{'padded' if self.padded else 'packed'} lengths {list(self.lengths)[:8]} must be >= 1, "
+                                 f"as many as the batch {self.batch}, {'at most' if self.padded else 'the longest'} "
+                                 f"S = S_KV ({self.seq}, {self.seq_kv})")
         elif self.padded:
             raise ValueError("a padded case needs its lengths")
         if self.heads_kv < 1 or self.heads % self.heads_kv:
@@ -170,10 +176,7 @@ class Case:
         padded batch ``padded 512..2048 T5120 S2048``."""
         heads = f"{self.heads}" if self.heads_kv == self.heads else f"{self.heads}/{self.heads_kv}"
         seq = f"S{self.seq}" if self.seq_kv == self.seq else f"S{self.seq}/{self.seq_kv}"
-        if self.lengths:
-            seq = (f"{'padded' if self.padded else 'varlen'} {min(self.lengths)}..{max(self.lengths)} "
-                   f"T{sum(self.lengths)}{f' {seq}' if self.padded else ''}")
-        return (f"B{self.batch} H{heads} {seq} D{self.head_dim}{' causal' if self.causal else ''}"
+        return (f"B{self.batch} H{heads} {lengths_label(self.lengths, self.padded, seq)} D{self.head_dim}{' causal' if self.causal else ''}"
                 f"{'' if self.dtype == 'fp16' else ' ' + self.dtype}"
                 f"{f' softcap{self.softcap:g}' if self.softcap > 0 else ''}"
                 f"{f' window{self.window[0]},{self.window[1]}' if self.window != (-1, -1) else ''}")
@@ -1023,10 +1026,9 @@ def _parse_shapes(v: "_Validator", raw: Any, dtypes: Sequence[str] = ("fp16",),
                                             f"{'S_KV' if padded else 'S and S_KV'} out")
             if "B" in s and v.integer(s["B"], f"{key}.B", minimum=1) != len(lengths):
                 v.fail(f"{key}.B", f"expected the number of lengths ({len(lengths)}) or no B, got {s['B']}")
-            if padded and "S" in s and v.integer(s["S"], f"{key}.S", minimum=1) < max(lengths):
-                v.fail(f"{key}.S", f"a padded batch is at least its longest length ({max(lengths)}) long, got {s['S']}")
-        seq = (v.integer(s["S"], f"{key}.S", minimum=1) if padded and "S" in s else max(lengths) if lengths
-               else v.integer(s["S"], f"{key}.S", minimum=1))
+        seq = v.integer(s["S"], f"{key}.S", minimum=1) if "S" in s else max(lengths)   # S is required without lengths
+        if lengths and seq < max(lengths):
+            v.fail(f"{key}.S", f"a padded batch is at least its longest length ({max(lengths)}) long, got {s['S']}")
         seq_kv = seq if lengths else v.integer(s.get("S_KV", seq), f"{key}.S_KV", minimum=1)
         softcap = v.number(s["softcap"], f"{key}.softcap", positive=True) if "softcap" in s else 0.0
         window = (-1, -1)
