@@ -128,6 +128,9 @@ def main() -> None:
     ap.add_argument("--storage", metavar="URL",
                     help="with --processes: the shared study's storage, e.g. postgresql+psycopg://user@host/db "
                          "(default: a SQLite file per row); each row gets its own study in it")
+    ap.add_argument("--jobs", type=int, metavar="N",
+                    help="compile processes of each row (default: the search's own default; with --processes "
+                         "split between the searches)")
     ap.add_argument("--replay", help="replay a recording instead of using GPUs (simulated devices)")
     ap.add_argument("--replay-delay", type=float, default=0.5, help="seconds per replayed evaluation (default 0.5)")
     ap.add_argument("--out", help="keep the run directories here (default: a temporary directory)")
@@ -146,7 +149,8 @@ def main() -> None:
         run = root / f"devices-{n}"
         started = time.perf_counter()
         clocks = Clocks(0 if args.replay else n)
-        proc = _search(args, run, ["--devices", devices, "--quiet"], root / f"cache-devices-{n}")
+        jobs = ["--jobs", str(args.jobs)] if args.jobs and not args.replay else []
+        proc = _search(args, run, ["--devices", devices, "--quiet", *jobs], root / f"cache-devices-{n}")
         rows.append({**_finish([proc], [run], started, "--devices", n), **clocks.stop()})
         per = args.devices_per_process
         if args.processes and n > per and n % per == 0:
@@ -157,7 +161,7 @@ def main() -> None:
             started = time.perf_counter()
             clocks = Clocks(0 if args.replay else n)
             # the searches share the compile processes one search of all n GPUs would have
-            jobs = ["--jobs", str(max(1, compile_plan(range(n))[1] // len(groups)))] if not args.replay else []
+            jobs = ["--jobs", str(max(1, (args.jobs or compile_plan(range(n))[1]) // len(groups)))] if not args.replay else []
             procs = [_search(args, r, ["--devices", group, "--storage", storage, "--study", study, "--quiet", *jobs],
                              root / f"cache-process-{n}") for r, group in zip(runs, groups)]
             rows.append({**_finish(procs, runs, started, f"{len(groups)}x{per}", n), **clocks.stop()})

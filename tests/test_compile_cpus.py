@@ -49,6 +49,17 @@ def test_keeping_no_cores_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compile_cpus([0, 1, 2, 3], range(64), _two_threads_a_core(32)) == set(range(64))
 
 
+def test_keeping_as_many_cores_as_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EVOENGINEER_KEEP_CORES", "10")
+    kept = set(range(64)) - compile_cpus([0, 1, 2, 3], range(64), _two_threads_a_core(32))
+    assert kept == {c for core in range(10) for c in (core, core + 32)}
+    assert compile_plan([0, 1, 2, 3], range(1000, 1064))[1] == 54  # one thread a core: 64 - 10
+    monkeypatch.setenv("EVOENGINEER_KEEP_CORES", "40")  # more than half the cores: none kept
+    assert compile_cpus([0, 1, 2, 3], range(64), _two_threads_a_core(32)) == set(range(64))
+    monkeypatch.setenv("EVOENGINEER_KEEP_CORES", "many")  # not a number: the default
+    assert len(set(range(64)) - compile_cpus([0, 1, 2, 3], range(64), _two_threads_a_core(32))) == 10
+
+
 def test_a_small_host_keeps_nothing() -> None:
     assert compile_cpus([0], range(2), lambda cpu: {cpu}) == {0, 1}
     assert compile_cpus([0, 1, 2, 3], range(16), _two_threads_a_core(8)) == set(range(16))  # 8 cores < 2 * 5

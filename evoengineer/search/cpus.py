@@ -49,15 +49,22 @@ def keeping() -> bool:
     return os.environ.get("EVOENGINEER_KEEP_CORES") != "0"
 
 
+def cores_to_keep(devices: Sequence[int]) -> int:
+    """How many physical cores a search on ``devices`` keeps: ``EVOENGINEER_KEEP_CORES`` where
+    it is a number, else one per GPU index up to the highest and one more."""
+    value = os.environ.get("EVOENGINEER_KEEP_CORES", "").strip()
+    return int(value) if value.isdigit() else max(devices, default=0) + 2
+
+
 def kept_cores(devices: Sequence[int], cpus: Iterable[int] | None = None,
                siblings: Callable[[int], set[int]] = _sysfs_siblings) -> list[tuple[int, ...]]:
     """The physical cores a search on ``devices`` (GPU indices) keeps free of compiles: the
-    first ``max(devices) + 2`` of ``cpus`` (default: those this process may run on); none where
-    fewer than twice as many cores are there, or ``keeping()`` is off."""
+    first ``cores_to_keep(devices)`` of ``cpus`` (default: those this process may run on); none
+    where fewer than twice as many cores are there, or ``keeping()`` is off."""
     allowed = set(os.sched_getaffinity(0) if cpus is None else cpus)
     cores = physical_cores(allowed, siblings)
-    kept = max(devices, default=0) + 2
-    return cores[:kept] if keeping() and len(cores) >= 2 * kept else []
+    kept = cores_to_keep(devices)
+    return cores[:kept] if keeping() and kept and len(cores) >= 2 * kept else []
 
 
 def compile_cpus(devices: Sequence[int], cpus: Iterable[int] | None = None,
