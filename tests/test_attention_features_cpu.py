@@ -172,6 +172,17 @@ def test_the_plan_of_a_mask_is_read_once_per_mask_tensor() -> None:
         hf.mask_plan(mask, 2, 6, 6)
 
 
+def test_a_mask_made_under_inference_mode_is_read_on_every_call() -> None:
+    with torch.inference_mode():  # inference tensors keep no version counter
+        mask = hf_mask(left_padded([6, 4], 6), 6)
+        first = hf.mask_plan(mask, 2, 6, 6)
+        again = hf.mask_plan(mask, 2, 6, 6)
+        assert again is not first and again.causal and torch.equal(again.leftpad_k, first.leftpad_k)
+        mask[1, 0, 5, 2] = False
+        with pytest.raises(hf.MaskError):
+            hf.mask_plan(mask, 2, 6, 6)
+
+
 def test_without_a_mask_the_sliding_window_kwarg_is_read_as_flash_attention_does() -> None:
     device = torch.device("cpu")
     assert hf._call_plan(None, None, 2, 8, 8, {"sliding_window": 8}, device) == hf.MaskPlan(True)   # keys fit

@@ -9,20 +9,20 @@ only a mask equal to its rebuild is served, any other is refused in one line (or
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from .features import PLAIN, CallFeatures, FallbackCounts, allowed_keys, attend, check_fallback
+from .held import HeldResults
 
 UNSUPPORTED_KWARGS = {
     "position_bias": "a position bias",
     "s_aux": "attention sinks",
     "sinks": "attention sinks",
 }
-_MASK_SEEN: list[Any] = [None]  # (weak reference to the mask, its version, batch, q_len, kv_len, MaskPlan) of the last mask
+_MASK_PLANS = HeldResults(1)  # the last mask's plan, while the mask lives unwritten
 
 
 class MaskError(ValueError):
@@ -58,19 +58,17 @@ def allowed_from_mask(mask: Any, q_len: int, kv_len: int) -> Any:
 
 
 def mask_plan(mask: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
-    """The mask in the kernels' terms (computed once per mask tensor); MaskError, one line, where
-    no causal flag, window and per-batch key range rebuild it exactly."""
-    seen = _MASK_SEEN[0]
-    if seen is not None and seen[0]() is mask and seen[1:5] == (mask._version, batch, q_len, kv_len):
-        return seen[5]
+    """The mask in the kernels' terms (computed once per mask tensor, ``HeldResults``); MaskError,
+    one line, where no causal flag, window and per-batch key range rebuild it exactly."""
+    return _MASK_PLANS.get((mask,), (batch, q_len, kv_len), lambda: _mask_plan(mask, batch, q_len, kv_len))
+
+
+def _mask_plan(mask: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
     allowed = allowed_from_mask(mask, q_len, kv_len)
     if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
         raise MaskError("hf_attention: the attention mask differs between heads; the exported kernels take one mask "
                         "per batch")
-    a = allowed[:, 0].expand(batch, q_len, kv_len)
-    plan = _plan(a, batch, q_len, kv_len)
-    _MASK_SEEN[0] = (weakref.ref(mask), mask._version, batch, q_len, kv_len, plan)
-    return plan
+    return _plan(allowed[:, 0].expand(batch, q_len, kv_len), batch, q_len, kv_len)
 
 
 def _plan(a: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:

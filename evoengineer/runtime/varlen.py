@@ -31,8 +31,6 @@ inputs require grad (the backward kernels take no packed sequences), counted in
 """
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -41,6 +39,7 @@ import torch
 from .checks import DTYPE_NAMES, Coverage, check_layout, check_variant
 from .features import CallFeatures, FallbackCounts, Uncovered, allowed_keys, attend, call_features
 from .features import check_fallback, select_kernel
+from .held import HeldResults
 from .launch import ALIGNMENT_ERROR, MAX_GRID_ROWS, MAX_PLANS, Launcher, Plan
 
 WHO = "attention_varlen"
@@ -133,35 +132,21 @@ def check_offsets(cu_seqlens_q: Any, cu_seqlens_k: Any, total_q: int, total_k: i
 
 
 class CheckedOffsets:
-    """The offsets of the last few (cu_seqlens_q, cu_seqlens_k) pairs ``check_offsets`` passed,
-    each held while both tensors live and torch's version counter says neither was written since:
-    a call with the same pair, token counts and maxima reuses the check instead of copying the
-    offsets to the host again. Inference tensors keep no version counter: they are read each call."""
+    """``check_offsets`` of the last few (cu_seqlens_q, cu_seqlens_k) pairs it passed, held while
+    both tensors live unwritten (``HeldResults``): a call with the same pair, token counts and
+    maxima reuses the check instead of copying the offsets to the host again."""
 
     SIZE = 8
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, int], tuple[Any, Any, tuple, tuple[list[int], list[int]]]] = {}
-        self._lock = threading.Lock()
+        self._held = HeldResults(self.SIZE)
 
     def get(self, cu_seqlens_q: Any, cu_seqlens_k: Any, total_q: int, total_k: int, max_seqlen_q: int,
             max_seqlen_k: int) -> tuple[list[int], list[int]]:
         """``check_offsets(...)``, or its result for this pair when it holds still."""
-        if cu_seqlens_q.is_inference() or cu_seqlens_k.is_inference():
-            return check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
-        key = (id(cu_seqlens_q), id(cu_seqlens_k))
-        stamp = (cu_seqlens_q._version, cu_seqlens_k._version, total_q, total_k, max_seqlen_q, max_seqlen_k)
-        with self._lock:
-            entry = self._entries.get(key)
-        if entry is not None and entry[0]() is cu_seqlens_q and entry[1]() is cu_seqlens_k and entry[2] == stamp:
-            return entry[3]
-        offsets = check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
-        with self._lock:
-            self._entries.pop(key, None)
-            while len(self._entries) >= self.SIZE:
-                del self._entries[next(iter(self._entries))]
-            self._entries[key] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), stamp, offsets)
-        return offsets
+        return self._held.get((cu_seqlens_q, cu_seqlens_k), (total_q, total_k, max_seqlen_q, max_seqlen_k),
+                              lambda: check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
+                                                    max_seqlen_k))
 
 
 def offsets_of(lengths: Any) -> list[int]:
