@@ -92,6 +92,19 @@ def test_the_kernel_reads_the_sequence_and_aligns_positions_bottom_right() -> No
     assert "Keys(feat, b, seq.len_k).tiles(m0 + seq.shift, BM, t_lo, n_tiles);" in source
 
 
+def test_tile_counter_kernels_take_only_the_sequences_own_query_blocks() -> None:
+    """PERSISTENT=2 with VARLEN: the producer maps each counter item to a query block of some
+    sequence (a cursor kept in shared memory), not to the longest sequence's m_blocks of every
+    batch; other kernels keep the dense order, and the plain kernel has no cursor."""
+    packed = render("flash_attention", DTMAO, Variant(128, True, "bf16", ("varlen",))).source
+    assert "w = sched.packed_tile(item, seq, first);" in packed and "int packed_tile(" in packed
+    assert "work_tile_lpt(w, m_blocks, B * H, group, mblk, bh)" not in packed
+    for config, features in ((PTMAO, ("varlen",)), (DTMAO, ()), (DTMAO, ("seqlens", "window"))):
+        source = render("flash_attention", config, Variant(128, True, "bf16", features)).source
+        assert "int packed_tile(" not in source and "sched.packed_tile" not in source
+    assert "work_tile_lpt(w, m_blocks, B * H, group, mblk, bh)" in source
+
+
 # -- compiled -------------------------------------------------------------------------------------
 
 

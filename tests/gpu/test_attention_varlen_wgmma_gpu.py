@@ -114,8 +114,10 @@ def test_the_every_feature_wgmma_kernel_serves_dense_calls_with_null_offsets(mod
 
 
 def test_a_batch_of_many_short_and_one_long_sequence_on_persistent_ctas(modules) -> None:
-    """Most work tiles of a persistent grid lie past their sequence's queries: producer and
-    consumers skip them alike (the K/V ring and barrier phases carry on over them)."""
+    """Most work tiles of a persistent grid lie past their sequence's queries: PERSISTENT=1's
+    producer and consumers skip them alike (the K/V ring and barrier phases carry on over them);
+    PERSISTENT=2's counter hands out only the sequences' own query blocks (empty sequences, and
+    lengths at and around a multiple of the block, included)."""
     lengths = [3, 0, 5000, 1, 64, 65, 127, 128, 129, 0, 2, 4096]
     for export in ("ptmao", "dtmao-q"):
         module = modules[export]
