@@ -12,7 +12,7 @@ import pytest
 from test_varlen_space import SPACE
 
 from evoengineer.gpu import gate_cases
-from evoengineer.gpu.evaluate import EDGE_LENGTHS, input_set_bytes
+from evoengineer.gpu.evaluate import EDGE_LENGTHS, input_set_bytes, padding_mask, sdpa_op
 from evoengineer.results import load_leaderboard, per_shape_winners
 from evoengineer.search.partition import split_cases
 from evoengineer.space import Case, Config, SpaceError, parse_space
@@ -123,3 +123,28 @@ def test_the_export_serves_calls_with_query_lengths_by_the_padded_case_winner(se
     spec = select_kernel(export.data.kernels, ("fp16", 64, True), padded.config,
                          export.table.variants[("fp16", 64, True)].fallback, features.needed(True))
     assert spec.config == padded.config and "seqlens" in spec.features
+
+
+def test_sdpa_times_a_padded_case_with_its_mask_under_a_forced_backend_or_its_own_choice() -> None:
+    """The reference call the search times beside a padded case (on CPU tensors here): SDPA with the
+    padding mask and K/V repeated to the query heads, torch's own choice or a forced backend (math
+    gives the same; cuDNN has no CPU kernel, so forcing it raises); flash-attn-4 is refused in one
+    line."""
+    import torch
+
+    case = next(c for c in _space(causal=True).cases if c.lengths)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(case.batch, case.heads, case.seq, case.head_dim, generator=gen)
+    k, v = (torch.randn(case.batch, case.heads_kv, case.seq, case.head_dim, generator=gen) for _ in range(2))
+    mask = padding_mask(case, "cpu")
+    own = sdpa_op("default", q, k, v, case.causal, None, mask=mask)()
+    assert own.shape == q.shape
+    torch.testing.assert_close(sdpa_op("math", q, k, v, case.causal, None, mask=mask)(), own)
+    # batch 2 (64 keys): its rows see only those keys, causal
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q[2:3, :, :64], k[2:3, :, :64].repeat_interleave(4, 1), v[2:3, :, :64].repeat_interleave(4, 1), is_causal=True)
+    torch.testing.assert_close(own[2:3, :, :64], expected)
+    with pytest.raises(RuntimeError, match="No viable backend"):
+        sdpa_op("cudnn", q, k, v, case.causal, None, mask=mask)()
+    with pytest.raises(ValueError, match="flash-attn-4"):
+        sdpa_op("fa4", q, k, v, case.causal, None, mask=mask)

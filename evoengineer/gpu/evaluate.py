@@ -420,7 +420,6 @@ def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | N
     padded batch's boolean mask (``padding_mask``) in place of ``causal``, K and V repeated to the
     query heads; flash-attn-4 takes no such call here."""
     import torch.nn.functional as F
-    from torch.nn.attention import sdpa_kernel
 
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if offsets is not None:
@@ -431,28 +430,26 @@ def sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: float | N
         from ..runtime.features import repeat_kv
 
         k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
-        masked = {"attn_mask": mask}
-        if backend == "default":
-            return lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, **masked)
-        forced = forced_backend(backend)
-
-        def masked_op() -> Any:
-            with sdpa_kernel([forced]):
-                return F.scaled_dot_product_attention(q, k, v, scale=scale, **masked)
-
-        return masked_op
-    if backend == "default":
-        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
+        return under_backend(backend, lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale))
     if backend == "fa4":
         from flash_attn.cute import flash_attn_func
 
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         return lambda: flash_attn_func(qt, kt, vt, softmax_scale=scale, causal=causal)
-    chosen = forced_backend(backend)
+    return under_backend(backend, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa))
+
+
+def under_backend(backend: str, call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` as it is for ``default`` (torch's own choice), else run with ``backend`` forced."""
+    if backend == "default":
+        return call
+    from torch.nn.attention import sdpa_kernel
+
+    forced = forced_backend(backend)
 
     def op() -> Any:
-        with sdpa_kernel([chosen]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
+        with sdpa_kernel([forced]):
+            return call()
 
     return op
 
@@ -461,7 +458,6 @@ def _packed_sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: f
                     offsets: list[int]) -> Callable[[], Any]:
     """``sdpa_op`` of packed sequences."""
     import torch
-    from torch.nn.attention import sdpa_kernel
 
     from ..runtime.varlen import sdpa_per_sequence
 
@@ -472,15 +468,7 @@ def _packed_sdpa_op(backend: str, q: Any, k: Any, v: Any, causal: bool, scale: f
         longest = max(b - a for a, b in zip(offsets, offsets[1:]))
         return lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
                                               max_seqlen_k=longest, softmax_scale=scale, causal=causal)
-    if backend == "default":
-        return lambda: sdpa_per_sequence(q, k, v, offsets, offsets, causal, scale)
-    chosen = forced_backend(backend)
-
-    def op() -> Any:
-        with sdpa_kernel([chosen]):
-            return sdpa_per_sequence(q, k, v, offsets, offsets, causal, scale)
-
-    return op
+    return under_backend(backend, lambda: sdpa_per_sequence(q, k, v, offsets, offsets, causal, scale))
 
 
 def _sdpa_job(job: dict) -> dict:
