@@ -123,3 +123,14 @@ def test_the_family_seeds_compile_for_sm_90a_without_spills(name: str) -> None:
         assert res.ok, (seed.label(), variant.label(), res.error)
         spills = {name: k.spills for name, k in res.kernels.items() if k.spills}
         assert not spills, (seed.label(), variant.label(), spills)
+
+
+def test_a_cp_async_wgmma_kernel_past_head_dim_128_is_refused_by_its_rule_and_would_not_build() -> None:
+    big = _h100_with(256)
+    cpasync = WGMMA.replace(LOAD="cpasync", REG_PRODUCER=32, REG_CONSUMER=232)
+    assert [v.split(":")[0] for v in big.violations(cpasync)] == ["wgmma.cpasync-head-dims"]
+    assert _h100_with(128).violations(cpasync) == []
+    assert not any(c["LOAD"] == "cpasync" for c in big.valid_configs() if c["PATH"] == "wgmma")
+    # what the rule keeps out: the loader's 128 threads would step 4 rows at a time over D256's 32 chunks
+    result = next(compile_many([render("flash_attention", cpasync, Variant(256, True)).source], "sm_90a"))
+    assert not result.ok and "rows a thread visits share a swizzle key" in result.error

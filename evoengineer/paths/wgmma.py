@@ -106,6 +106,9 @@ RULES = (
     rule(NAME, "panel-head-dims", "a head dim that is not a multiple of 64 needs LOAD tma (the kernel computes "
          "the next multiple of 64 from the zeros the TMA reads past the head dim)", "LOAD",
          lambda c: c["LOAD"] == "tma" or all(d % 64 == 0 for d in scope_head_dims(c))),
+    rule(NAME, "cpasync-head-dims", "the cp.async loader's 128 threads cover whole rows eight at a time, one 16-byte "
+         "chunk a thread: head dims up to 128 (past that, LOAD tma)", "LOAD",
+         lambda c: c["LOAD"] == "tma" or all(d <= 128 for d in scope_head_dims(c))),
     rule(NAME, "arch", "wgmma and setmaxnreg exist only on sm_90a", "", lambda c: c["ARCH_NAME"] == ARCH),
     rule(NAME, "tile", "one 64-row strip per consumer warpgroup; 16-key slices, at least 64 keys a tile, "
          "at least two stages", "BLOCK_M BLOCK_N STAGES CONSUMER_WGS",
