@@ -52,38 +52,39 @@ CONFIGS = {
                         INTRA_WG_OVERLAP=1, PINGPONG=1, LOAD="tma", PERSISTENT=2, O_TMA=1, SOFTMAX_PIN=3, SPLIT_TAIL=2),
 }
 
-# sha256 (first 16 hex digits) of renders with the switches off, whose SASS is that of the renders
-# made before the feature switches existed on this path (compared with nvdisasm when head dims
-# that are not a multiple of 64 came): with the switches off the kernels must stay exactly these
+# sha256 (first 16 hex digits) of renders with the switches off. They began as the renders made
+# before the feature switches existed on this path (their SASS compared with nvdisasm); a feature
+# must leave them exactly so, and only a deliberate change to the plain kernels (such as the 16-byte
+# stores of O from registers) updates them.
 UNCHANGED = {
-    ("c1-n64", 64, True, "fp16"): "e0608a968e45c985",
-    ("c1-n64", 128, False, "bf16"): "10f8ed5d98b6bee3",
-    ("c1-n128-ovl-st3", 64, True, "fp16"): "1a92b6b155b26bff",
-    ("c1-n128-ovl-st3", 128, False, "bf16"): "fcf84f8d3e1b0932",
-    ("c1-n128-tma-ovl-st3", 64, True, "fp16"): "525baeb1e524a0cf",
-    ("c1-n128-tma-ovl-st3", 128, False, "bf16"): "6c56933b26ad1198",
-    ("c2-n192-pp", 64, True, "fp16"): "782fba7652fc2a90",
-    ("c2-n192-pp", 128, False, "bf16"): "ed6d49aaed6a2ba2",
-    ("c3-n64-st4", 64, True, "fp16"): "b27dc50ad4dfed60",
-    ("c3-n64-st4", 128, False, "bf16"): "3ef12809d0cdccd7",
-    ("c3-n128-noovl", 64, True, "fp16"): "3b516ebeebf6e552",
-    ("c3-n128-noovl", 128, False, "bf16"): "aa11c67fae5545e0",
-    ("tma-pp", 64, True, "fp16"): "ebb322c3171c8b57",
-    ("tma-pp", 128, False, "bf16"): "99fcc29cf3b1b10e",
-    ("ptma-pp", 64, True, "fp16"): "6b6302ccfa7862a2",
-    ("ptma-pp", 128, False, "bf16"): "479a85f5fe5573cb",
-    ("ptma-ov2", 64, True, "fp16"): "e1393794e52b163e",
-    ("ptma-ov2", 128, False, "bf16"): "ac34378335fc483a",
-    ("ptmao-q-pin3", 64, True, "fp16"): "383a3e4831fe8d87",
-    ("ptmao-q-pin3", 128, False, "bf16"): "3deaca0f66d83630",
-    ("dtma-n192", 64, True, "fp16"): "3948dadcc536cb83",
-    ("dtma-n192", 128, False, "bf16"): "c9c552c776917a04",
-    ("dtmao-q-pp", 64, True, "fp16"): "e8e1e92e0db8081e",
-    ("dtmao-q-pp", 128, False, "bf16"): "b59b73c6cb7a8de3",
-    ("stmao-pp", 64, True, "fp16"): "6b1921f9b495362e",
-    ("stmao-pp", 128, False, "bf16"): "6dc4033038c7f095",
-    ("htmao-c3-pin3", 64, True, "fp16"): "f55766e0473abb93",
-    ("htmao-c3-pin3", 128, False, "bf16"): "d4ee334c667fb613",
+    ("c1-n64", 64, True, "fp16"): "d36c3ad55f51f6a7",
+    ("c1-n64", 128, False, "bf16"): "352111add33426dc",
+    ("c1-n128-ovl-st3", 64, True, "fp16"): "9fac3b6bf0aabcd1",
+    ("c1-n128-ovl-st3", 128, False, "bf16"): "733584c2035f7b26",
+    ("c1-n128-tma-ovl-st3", 64, True, "fp16"): "bb8b4d9ed2cc2091",
+    ("c1-n128-tma-ovl-st3", 128, False, "bf16"): "2c5ec3bd6d0c3c6f",
+    ("c2-n192-pp", 64, True, "fp16"): "5fc346997492ebe1",
+    ("c2-n192-pp", 128, False, "bf16"): "b68dd1f82e542e59",
+    ("c3-n64-st4", 64, True, "fp16"): "7cb7839454063944",
+    ("c3-n64-st4", 128, False, "bf16"): "0fb35553eccdd138",
+    ("c3-n128-noovl", 64, True, "fp16"): "7f343ad30d9817e2",
+    ("c3-n128-noovl", 128, False, "bf16"): "cf4d116d3fd170d6",
+    ("tma-pp", 64, True, "fp16"): "6836f1d304561f05",
+    ("tma-pp", 128, False, "bf16"): "44ba85376a7177e8",
+    ("ptma-pp", 64, True, "fp16"): "ceda4b4421c1bced",
+    ("ptma-pp", 128, False, "bf16"): "89c5412cb63910f4",
+    ("ptma-ov2", 64, True, "fp16"): "4a1459c14b786d18",
+    ("ptma-ov2", 128, False, "bf16"): "084413c799260526",
+    ("ptmao-q-pin3", 64, True, "fp16"): "1e22b26596026f5f",
+    ("ptmao-q-pin3", 128, False, "bf16"): "e9bf07c37cf2b83b",
+    ("dtma-n192", 64, True, "fp16"): "90c09798ec07a391",
+    ("dtma-n192", 128, False, "bf16"): "e038164e88586d4d",
+    ("dtmao-q-pp", 64, True, "fp16"): "acf08d35babc22a9",
+    ("dtmao-q-pp", 128, False, "bf16"): "eeadce72e6802604",
+    ("stmao-pp", 64, True, "fp16"): "16e7788ebba52867",
+    ("stmao-pp", 128, False, "bf16"): "392c7ea30bec0ad4",
+    ("htmao-c3-pin3", 64, True, "fp16"): "4abe180c4ce759a0",
+    ("htmao-c3-pin3", 128, False, "bf16"): "72bf14f8ca9e4cb1",
 }
 
 
