@@ -379,3 +379,16 @@ def test_what_the_backward_cannot_serve_is_one_line(exported, tmp_path: Path) ->
     with torch.no_grad():
         assert older.attention(q, q, q, softcap=20.0).shape == q.shape   # inference keeps its feature kernels
     assert CallFeatures(4, 0, 0.0).needed(True) == ("window",) and CallFeatures(-1, 0).needed(True) == ()
+
+
+def test_the_gpu_helpers_hand_the_ranges_to_a_seqlens_kernel() -> None:
+    """``gpu.backward``'s LSE forward and backward (the GPU tests' entry points) turn the range
+    tensors into the seqlens switch and its pointer arguments (null where not given)."""
+    from evoengineer.gpu.backward import _feature_arguments, _with_ranges
+
+    lengths = torch.zeros(2, dtype=torch.int32)
+    features = _with_ranges(CallFeatures(3, 1, 0.0), {"seqlens_k": lengths, "leftpad_k": None, "seqlens_q": None})
+    assert features.seqlens and not features.padded and features.needed(False) == ("seqlens", "window")
+    assert _with_ranges(CallFeatures(), {"seqlens_k": None, "leftpad_k": None, "seqlens_q": None}) == CallFeatures()
+    args = _feature_arguments(features, Variant(64, False, "fp16", ("seqlens", "window")), {"seqlens_k": lengths})
+    assert args == {"seqlens_k": lengths, "leftpad_k": None, "seqlens_q": None, "window_left": 3, "window_right": 1}
