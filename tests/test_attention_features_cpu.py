@@ -314,21 +314,26 @@ def test_the_fallback_is_off_by_default_and_runs_sdpa_counted_per_reason(module)
 
 
 def test_a_call_with_features_that_needs_a_gradient_trains_through_the_kernels_or_runs_the_fallback(module) -> None:
-    """A window or a soft cap with a gradient goes through the LSE op (the backward kernels hold
-    them); per-batch key ranges are refused in one line; with the fallback, a call no kernel serves
-    (CPU tensors, key ranges) runs SDPA with its gradients; a plain call keeps the training path."""
+    """A window, a soft cap or per-batch key ranges with a gradient go through the LSE op (the
+    backward kernels hold them); with the fallback, a call no kernel serves (CPU tensors) runs SDPA
+    with its gradients; a plain call keeps the training path."""
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 4, 7, 64, generator=gen).half().requires_grad_() for _ in range(3))
     with pytest.raises(ValueError, match="^attention: q, k and v must be CUDA tensors"):   # the kernels' path, not a refusal
         module.attention(q, k, v, True, window_size=(2, 0))
     lengths = torch.tensor([5], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="^attention: a gradient is needed .* the backward kernels have no "
-                                                  "per-batch key ranges [^\n]*fallback='sdpa'"):
+    with pytest.raises(ValueError, match="^attention: q, k and v must be CUDA tensors"):   # padding trains too
         module.attention(q, k, v, True, seqlens_k=lengths)
+    with pytest.raises(ValueError, match="^attention: seqlens_k must be an int32 tensor of shape"):
+        module.attention(q, k, v, True, seqlens_k=lengths.long())
     meta = torch.empty(1, 4, 8, 64, dtype=torch.float16, device="meta", requires_grad=True)
     served = module.attention(meta, meta, meta, softcap=5.0, window_size=(3, 1))   # meta: the LSE op's fake
     assert served.shape == meta.shape and "attention_lse" in type(served.grad_fn).__name__
     assert (served.grad_fn.window_left, served.grad_fn.window_right, served.grad_fn.softcap) == (3, 1, 5.0)
+    meta_lengths = torch.empty(1, dtype=torch.int32, device="meta")
+    padded = module.attention(meta, meta, meta, True, seqlens_k=meta_lengths, leftpad_k=meta_lengths,
+                              seqlens_q=meta_lengths)
+    assert padded.shape == meta.shape and "attention_lse" in type(padded.grad_fn).__name__
     with torch.no_grad():   # no gradient: the kernel path's checks as before
         with pytest.raises(ValueError, match="^attention: q, k and v must be CUDA tensors"):
             module.attention(q, k, v, True, window_size=(2, 0))
@@ -343,9 +348,8 @@ def test_a_call_with_features_that_needs_a_gradient_trains_through_the_kernels_o
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     assert module.fallback_counts() == {"q, k and v must be CUDA tensors, got device cpu": 1}
     module.fallback_counts(reset=True)
-    module.attention(q, k, v, True, seqlens_k=lengths, fallback="sdpa")
-    assert module.fallback_counts() == {"a gradient is needed (q, k or v requires grad) and the backward kernels have "
-                                        "no per-batch key ranges or query lengths (seqlens_k, leftpad_k, seqlens_q)": 1}
+    module.attention(q, k, v, True, seqlens_k=lengths, fallback="sdpa").float().sum().backward()
+    assert module.fallback_counts() == {"q, k and v must be CUDA tensors, got device cpu": 1}
     module.fallback_counts(reset=True)
     plain = module.attention(q, k, v, is_causal=True, fallback="sdpa")   # the training path's checks: CPU is uncovered
     assert plain.requires_grad

@@ -3,7 +3,8 @@ FlashAttention-2 backward (``templates/flash_attention_bwd.cu.j2``) that takes i
 
 ``attention_forward_lse(q, k, v)`` returns ``(o, lse)``; ``attention_backward(q, k, v, o, lse, do)``
 returns ``(dq, dk, dv)``; both take a call's ``features`` (``runtime.features.CallFeatures``: a
-window, a soft cap), run by kernels built with those switches. Tensors are (batch, heads, seq, head_dim), fp16 or bf16, K/V with a
+window, a soft cap) and per-batch ranges (``seqlens_k``, ``leftpad_k``, ``seqlens_q``: int32 (batch,)
+tensors), run by kernels built with those switches. Tensors are (batch, heads, seq, head_dim), fp16 or bf16, K/V with a
 number of heads that divides q's (grouped-query attention); ``lse`` is (batch, heads, seq_q)
 fp32. Kernels are rendered, compiled with NVRTC for the tensors' device and loaded once per
 (configuration, variant, device). Launches go on torch's current stream; a backward whose dK/dV
@@ -273,43 +274,60 @@ def _variant(q: Any, causal: bool, features: CallFeatures = PLAIN) -> Variant:
     return Variant(head_dim=int(q.shape[-1]), causal=bool(causal), dtype=dtype, features=features.needed(bool(causal)))
 
 
-def _feature_arguments(features: CallFeatures, variant: Variant) -> dict[str, Any]:
-    """The feature arguments of a kernel built for ``variant`` (its switches'), from the call's values."""
-    names = {"softcap": ("softcap",), "window": ("window_left", "window_right")}
-    values = features.values()
+def _feature_arguments(features: CallFeatures, variant: Variant, ranges: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The feature arguments of a kernel built for ``variant`` (its switches'), from the call's values
+    and range tensors (``ranges``: seqlens_k, leftpad_k, seqlens_q; None: null)."""
+    names = {"softcap": ("softcap",), "window": ("window_left", "window_right"),
+             "seqlens": ("seqlens_k", "leftpad_k", "seqlens_q")}
+    values = {**features.values(), "seqlens_k": None, "leftpad_k": None, "seqlens_q": None, **(ranges or {})}
     return {name: values[name] for switch in variant.features for name in names.get(switch, ())}
+
+
+def _with_ranges(features: CallFeatures, ranges: dict[str, Any]) -> CallFeatures:
+    """``features`` with ``seqlens`` on where a range tensor is given."""
+    from dataclasses import replace
+
+    given = any(t is not None for t in ranges.values())
+    return replace(features, seqlens=True, padded=ranges.get("seqlens_q") is not None) if given else features
 
 
 def attention_forward_lse(q: Any, k: Any, v: Any, scale: float | None = None, causal: bool = False,
                           config: Config | None = None, *, out: Any = None, lse: Any = None,
-                          features: CallFeatures = PLAIN) -> tuple[Any, Any]:
+                          features: CallFeatures = PLAIN, seqlens_k: Any = None, leftpad_k: Any = None,
+                          seqlens_q: Any = None) -> tuple[Any, Any]:
     """attention(q, k, v) and its row log-sum-exp: ``(o, lse)``, lse (B, H, S_q) fp32 natural log of
     sum_k exp(scale * q.k) (causal: top-left aligned, as SDPA's ``is_causal``); with ``features``
-    (a window, a soft cap) of the capped scores the window keeps, -inf for a row that sees no key."""
+    (a window, a soft cap) and per-batch ranges of the capped scores the window and ranges keep,
+    -inf for a row that sees no key."""
     import torch
 
+    ranges = {"seqlens_k": seqlens_k, "leftpad_k": leftpad_k, "seqlens_q": seqlens_q}
+    features = _with_ranges(features, ranges)
     variant = _variant(q, causal, features)
     kernel = load_forward_lse(config or forward_lse_config(variant.head_dim), variant, q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if lse is None else lse
     if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:3]) or not lse.is_contiguous():
         raise LaunchError(f"lse: expected a contiguous float32 tensor of shape {tuple(q.shape[:3])}")
-    kernel(q, k, v, out, scale, workspace=lse, features=_feature_arguments(features, variant))
+    kernel(q, k, v, out, scale, workspace=lse, features=_feature_arguments(features, variant, ranges))
     return out, lse
 
 
 def attention_backward(q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, scale: float | None = None,
                        causal: bool = False, config: Config | None = None, *, deterministic: bool = False,
-                       features: CallFeatures = PLAIN, **buffers: Any) -> tuple[Any, Any, Any]:
+                       features: CallFeatures = PLAIN, seqlens_k: Any = None, leftpad_k: Any = None,
+                       seqlens_q: Any = None, **buffers: Any) -> tuple[Any, Any, Any]:
     """``(dq, dk, dv)`` of attention(q, k, v) for output gradient ``do``; ``o`` and ``lse`` from
-    ``attention_forward_lse`` with the same ``scale``, ``causal`` and ``features``. Without ``config``,
+    ``attention_forward_lse`` with the same ``scale``, ``causal``, ``features`` and ranges. Without ``config``,
     the head dim's default (``deterministic``: one whose dQ pass uses no atomics). ``buffers``: optional
     ``dq``, ``dk``, ``dv`` outputs and ``dsum``, ``dq_accum`` workspaces (see ``BackwardKernel.__call__``)."""
+    ranges = {"seqlens_k": seqlens_k, "leftpad_k": leftpad_k, "seqlens_q": seqlens_q}
+    features = _with_ranges(features, ranges)
     variant = _variant(q, causal, features)
     if config is None:
         config = default_config(variant.head_dim, deterministic_dq=deterministic)
     kernel = load_backward(config, variant, q.device)
-    return kernel(q, k, v, o, lse, do, scale, features=_feature_arguments(features, variant), **buffers)
+    return kernel(q, k, v, o, lse, do, scale, features=_feature_arguments(features, variant, ranges), **buffers)
 
 
 # ---- references and the gradient rule (tests, the check script and, later, the gate) ----------
@@ -338,11 +356,13 @@ def sdpa_gradients(q: Any, k: Any, v: Any, do: Any, causal: bool, scale: float |
 
 
 def reference_gradients(q: Any, k: Any, v: Any, do: Any, causal: bool, scale: float | None,
-                        features: CallFeatures = PLAIN, dtype: Any = None) -> tuple[Any, Any, Any, Any]:
+                        features: CallFeatures = PLAIN, dtype: Any = None, *, seqlens_k: Any = None,
+                        leftpad_k: Any = None, seqlens_q: Any = None) -> tuple[Any, Any, Any, Any]:
     """``(o, dq, dk, dv)`` by autograd of attention with ``features`` written out in ``dtype`` (the
-    inputs' own when None): s = q k^T * scale, s = softcap * tanh(s / softcap), the window and causal
-    mask (``features.allowed_keys``), softmax, times v; a row that sees no key gives 0 and no
-    gradient. fp32 gives the reference, the inputs' dtype the low-precision baseline of the rule."""
+    inputs' own when None): s = q k^T * scale, s = softcap * tanh(s / softcap), the window, causal
+    and per-batch range mask (``features.allowed_keys``), softmax, times v; a row that sees no key
+    gives 0 and no gradient. fp32 gives the reference, the inputs' dtype the low-precision baseline
+    of the rule."""
     import torch
 
     from ..runtime.features import allowed_keys, repeat_kv
@@ -350,7 +370,8 @@ def reference_gradients(q: Any, k: Any, v: Any, do: Any, causal: bool, scale: fl
     dtype = dtype or q.dtype
     qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    mask = allowed_keys(q.shape[0], q.shape[2], k.shape[2], bool(causal), features, device=q.device)
+    mask = allowed_keys(q.shape[0], q.shape[2], k.shape[2], bool(causal), features, seqlens_k, leftpad_k, q.device,
+                        seqlens_q=seqlens_q)
     seen = mask.any(dim=-1, keepdim=True)
     scores = torch.matmul(qr, repeat_kv(kr, q.shape[1]).transpose(-1, -2)) * scale
     if features.softcap > 0:

@@ -16,8 +16,9 @@ Parameters:
   deterministic kernel over query tiles), with ``DQ_BLOCK_M`` query rows per CTA and ``DQ_BLOCK_N``
   keys per tile of that kernel (atomic dQ has none: they stay at their defaults).
 
-Features (``FEATURES``): soft-capping and a sliding window, compile-time switches as the forward's
-(SOFTCAP=1, WINDOW=1); every kernel of the path holds them.
+Features (``FEATURES``): per-batch key ranges and query lengths (a padded batch), soft-capping and a
+sliding window, compile-time switches as the forward's (SEQLENS=1, SOFTCAP=1, WINDOW=1); every kernel
+of the path holds them.
 """
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ DKDV_LAYOUTS = ("strips", "tiles", "halves")
 TILED_LAYOUTS = ("tiles", "halves")
 """The layouts of the 8-warp dK/dV kernel with 2-D warp tiles (halves: S and dP by column halves)."""
 DQ_MODES = ("atomic", "separate")
-FEATURES = ("softcap", "window")
-"""The compile-time features the template holds on this path (SOFTCAP, WINDOW): no per-batch key
-ranges or packed sequences."""
+FEATURES = ("seqlens", "softcap", "window")
+"""The compile-time features the template holds on this path (SEQLENS, SOFTCAP, WINDOW): no packed
+sequences (varlen)."""
 TILES_WARPS = 8
 HALVES_MIN_TILE = 8192
 """halves: the least BLOCK_M * BLOCK_N, where a warp's S/dP tile (BLOCK_M * BLOCK_N / 256 keys wide)

@@ -30,9 +30,9 @@ Features, keywords as flash-attn's: window_size=(left, right), softcap=, and per
 ranges seqlens_k=, leftpad_k= and query lengths seqlens_q= (int32 (batch,) tensors: padding),
 served by kernels exported with those features (kernel.json lists each kernel's);
 fallback='sdpa' runs SDPA for a call no kernel covers, counted per reason by fallback_counts()
-and explain() (features.py). A window or a soft cap with inputs that require grad runs an LSE
-forward and backward kernels built with them; per-batch key ranges or query lengths with a
-gradient are refused in one line (or run SDPA with fallback='sdpa').
+and explain() (features.py). A window, a soft cap or per-batch key ranges and query lengths (a
+padded batch) with inputs that require grad run an LSE forward and backward kernels built with
+them.
 
 Packed variable-length sequences, as flash-attn's varlen: attention_varlen(q, k, v, cu_seqlens_q,
 cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False, scale=None, window_size=(-1, -1),

@@ -14,9 +14,10 @@ An export that can train carries, per (dtype, head_dim, causal) it covers:
   ``tensor_maps`` (over q, k, v, do, and the flat lse and dsum), whose ``tmap`` arguments follow the
   others: every launch gets the same argument block, and a kernel that takes fewer arguments reads
   only its own;
-- kernels built with compile-time features (``features``: softcap, window; their arguments after
-  the others, as the forward's) and LSE forwards with the same switches, which serve the calls
-  with a window or a soft cap (``switches`` lists what both hold).
+- kernels built with compile-time features (``features``: seqlens, softcap, window; their arguments
+  after the others, as the forward's) and LSE forwards with the same switches, which serve the calls
+  with a window, a soft cap or per-batch key ranges and query lengths (a padded batch: ``seqlens_k``,
+  ``leftpad_k``, ``seqlens_q``, int32 pointers set per call) (``switches`` lists what both hold).
 
 Nothing in it is evaluated; ``parse_backward`` checks every field the runtime uses and raises
 ``KernelFileError`` naming the file and the key.
@@ -29,11 +30,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .dispatch import MeasuredCase, Variant, VariantTable
+from .features import POINTER_ARGS as FEATURE_POINTERS
 from .features import SCALAR_ARGS as FEATURE_SCALARS
 from .features import kernel_switches
 
 POINTER_ARGS = ("Q", "K", "V", "O", "dO", "LSE", "dQ", "dK", "dV")
 """The backward's tensor pointers, filled per call."""
+RANGE_ARGS = tuple(name for name in FEATURE_POINTERS if not name.startswith("cu_"))
+"""The int32 pointers of a ``seqlens`` backward (per batch; null: none), set per call."""
 WORKSPACE_ARGS = ("Dsum", "dQacc")
 """fp32 workspaces a backward may take (floats per query row given by its ``workspaces``)."""
 TENSORS = ("q", "k", "v", "o", "do", "dq", "dk", "dv")
@@ -86,7 +90,7 @@ class BackwardKernelSpec:
     tensor_maps: tuple[Any, ...] = ()
     """``kernel_file.TensorMapSpec`` of each ``tmap`` argument (LOAD tma), in argument order."""
     features: tuple[str, ...] = ()
-    """Its compile-time features (``features.SWITCHES``: softcap, window), sorted."""
+    """Its compile-time features (``features.SWITCHES``: seqlens, softcap, window), sorted."""
 
     @property
     def key(self) -> tuple:
@@ -211,7 +215,7 @@ def _backward_kernel(entry: Any, directory: Path, dtypes: tuple[str, ...],
             continue
         if any(k == "tmap" for _, k in args):
             entry.fail(f"{entry.where}.args[{j}]", "tensor-map arguments (kind tmap) come after every other argument")
-        known = (POINTER_ARGS + WORKSPACE_ARGS) if kind == "ptr" else SCALAR_ARGS if kind in ("i32", "i64", "f32") else ()
+        known = (POINTER_ARGS + WORKSPACE_ARGS + RANGE_ARGS) if kind == "ptr" else SCALAR_ARGS if kind in ("i32", "i64", "f32") else ()
         if name not in known:
             entry.fail(f"{entry.where}.args[{j}]", f"{_show(name)} ({_show(kind)}) is not an argument the runtime fills")
         args.append((name, kind))
@@ -247,7 +251,7 @@ def _backward_kernel(entry: Any, directory: Path, dtypes: tuple[str, ...],
             entry.fail(entry.key("tensor_maps"), f"a backward maps only {', '.join(TENSOR_MAP_TENSORS)}")
     features: list = entry.items("features") if entry.doc.get("features") is not None else []
     if not all(isinstance(f, str) for f in features) or list(kernel_switches(features)) != sorted(features):
-        entry.fail(entry.key("features"), "expected a sorted list of compile-time features (softcap, window)")
+        entry.fail(entry.key("features"), "expected a sorted list of compile-time features (seqlens, softcap, window)")
     source_file, source = entry.source("source", directory)
     return BackwardKernelSpec(entry.text("config"), entry.text("dtype", dtypes), entry.integer("head_dim", 1),
                               entry.flag("causal"), source_file, tuple(args), tuple(launches), tuple(workspaces),

@@ -1,8 +1,9 @@
 """The training path of an export: the LSE forward (output and row log-sum-exp) and the backward
 (preprocess, dK/dV, dQ) launched on torch's current stream, each prepared once per shape, strides,
 dtype, device, mode and features (per thread), as the inference forward is (``launch.py``). A call
-with a window or a soft cap runs an LSE forward and a backward built with those switches
-(``features.select_kernel``)."""
+with a window, a soft cap or per-batch key ranges and query lengths (``seqlens_k``, ``leftpad_k``,
+``seqlens_q``: a padded batch) runs an LSE forward and a backward built with those switches
+(``features.select_kernel``); the range tensors' pointers are set per call."""
 from __future__ import annotations
 
 import math
@@ -14,7 +15,7 @@ import torch
 
 from . import tensormap
 from .arguments import PackedArguments, element_strides, pack_arguments
-from .backward_file import TENSOR_MAP_TENSORS, BackwardKernelSpec
+from .backward_file import RANGE_ARGS, TENSOR_MAP_TENSORS, BackwardKernelSpec
 from .checks import DTYPE_NAMES, Coverage, check_grad, check_inputs
 from .dispatch import DispatchTable
 from .features import PLAIN, CallFeatures, call_features, select_kernel
@@ -41,6 +42,16 @@ class BackwardPlan:
     workspace_floats: int = 0
     keep: tuple[Any, ...] = ()
     """Buffers the launches point into (tensor maps), alive as long as the plan."""
+    ranges: bool = False
+    """The kernels take per-batch key ranges and query lengths (``RANGE_ARGS``), set per call."""
+
+
+def set_ranges(packed: PackedArguments | None, seqlens_k: Any, leftpad_k: Any, seqlens_q: Any) -> None:
+    """Point a ``seqlens`` kernel's range arguments at this call's tensors (null where not given)."""
+    struct = packed.values  # type: ignore[union-attr]
+    struct.seqlens_k = 0 if seqlens_k is None else seqlens_k.data_ptr()
+    struct.leftpad_k = 0 if leftpad_k is None else leftpad_k.data_ptr()
+    struct.seqlens_q = 0 if seqlens_q is None else seqlens_q.data_ptr()
 
 
 def well_formed(t: Any) -> bool:
@@ -147,14 +158,18 @@ class BackwardLauncher:
     # -- the LSE forward ----------------------------------------------------------------------
 
     def forward_lse(self, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None,
-                    enable_gqa: bool, features: CallFeatures = PLAIN) -> tuple[Any, Any]:
+                    enable_gqa: bool, features: CallFeatures = PLAIN, seqlens_k: Any = None, leftpad_k: Any = None,
+                    seqlens_q: Any = None) -> tuple[Any, Any]:
         """``(out, lse)``: the attention and each query row's log-sum-exp (fp32, (B, H, S_q); -inf
-        for a row whose window holds no key)."""
+        for a row that sees no key: its window holds none, its keys' range is empty, it lies at or
+        past ``seqlens_q``)."""
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                q.get_device(), k.get_device(), v.get_device(), is_causal, scale, enable_gqa, "lse", features)
         plan = self._cached(key, lambda: self._plan_forward(q, k, v, is_causal, scale, enable_gqa, features))
         if plan is None:
             return torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        if plan.ranges:
+            set_ranges(plan.packed, seqlens_k, leftpad_k, seqlens_q)
         return plan.run(q, k, v)
 
     def _plan_forward(self, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool,
@@ -181,15 +196,19 @@ class BackwardLauncher:
     # -- the backward -----------------------------------------------------------------------------
 
     def run_backward(self, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, is_causal: bool, scale: float | None,
-                     enable_gqa: bool, deterministic: bool, features: CallFeatures = PLAIN) -> tuple[Any, Any, Any]:
+                     enable_gqa: bool, deterministic: bool, features: CallFeatures = PLAIN, seqlens_k: Any = None,
+                     leftpad_k: Any = None, seqlens_q: Any = None) -> tuple[Any, Any, Any]:
         """``(dq, dk, dv)`` for the output gradient ``do`` of ``out, lse = forward_lse(q, k, v, ...)``
-        (with the same ``features``); dK and dV summed over each group of query heads (grouped-query
-        attention)."""
+        (with the same ``features`` and range tensors); dK and dV summed over each group of query
+        heads (grouped-query attention); keys outside a batch's range get zero dK and dV, rows that
+        see no key zero dQ."""
         if not do.is_meta and not well_formed(do):
             do = do.contiguous()
         key = _backward_key(q, k, v, o, lse, do, is_causal, scale, enable_gqa, deterministic, features)
         plan = self._cached(key, lambda: self._plan_backward(do, q, k, v, o, lse, is_causal, scale, deterministic,
                                                              features))
+        if plan.ranges:
+            set_ranges(plan.packed, seqlens_k, leftpad_k, seqlens_q)
         return plan.run(q, k, v, o, lse, do)
 
     def _kernel(self, dtype: str, head_dim: int, causal: bool, cid: str, deterministic: bool,
@@ -253,7 +272,8 @@ class BackwardLauncher:
         if current_device() == device:
             cupy.cuda.runtime.setDevice(device)  # binds the device's context to this thread for the driver-API launch
         run = make_backward_run(packed, launches, offsets, total, device, cupy.cuda.driver.launchKernel, maps)
-        return BackwardPlan(run, spec.config, spec, launches, packed, total, keep)
+        return BackwardPlan(run, spec.config, spec, launches, packed, total, keep,
+                            ranges=all(name in pointer_names for name in RANGE_ARGS))
 
     @staticmethod
     def _encode_maps(spec: BackwardKernelSpec, q: Any, k: Any, v: Any, do: Any
@@ -269,10 +289,11 @@ class BackwardLauncher:
 
     def explain(self, q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None,
                 enable_gqa: bool = False, deterministic: bool = False, *, window_size: Any = None,
-                softcap: float | None = None) -> dict[str, Any]:
+                softcap: float | None = None, seqlens_k: Any = None, leftpad_k: Any = None,
+                seqlens_q: Any = None) -> dict[str, Any]:
         """What the backward of such a call runs: its configuration, features and launches (the
         plan is built and its kernels compiled if needed)."""
-        features = call_features(window_size, softcap)
+        features = call_features(window_size, softcap, seqlens_k, leftpad_k, seqlens_q)
         o = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         do = o if well_formed(o) else o.contiguous()

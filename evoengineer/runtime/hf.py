@@ -121,7 +121,8 @@ def make_hf_attention(attention: Callable[..., Any], gqa: bool, fallback: str | 
         ``sliding_window - 1`` keys back where the keys outnumber it (the flash-attention
         integration's reading of the kwarg; a decode step sees the last ``sliding_window`` keys).
         A mask is read once per mask tensor (``mask_plan``): padding, causal and a sliding window
-        are served; another mask raises ValueError (or runs SDPA with ``fallback``). ``softcap``
+        are served (in training too: the backward kernels take the same terms); another mask
+        raises ValueError (or runs SDPA with ``fallback``). ``softcap``
         (kwarg, else ``module.attn_logit_softcapping``) caps the scores. Dropout > 0, sinks, a
         position bias and paged caches raise ValueError."""
         if dropout:

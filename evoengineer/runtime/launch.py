@@ -161,13 +161,9 @@ class Plan:
     """The K/V split count of a kernel that chooses it per call (``grid.call_splits``), else 1."""
 
 
-FEATURE_GRAD_REASON = ("a gradient is needed (q, k or v requires grad) and the backward kernels have no per-batch "
-                       "key ranges or query lengths (seqlens_k, leftpad_k, seqlens_q)")
-FEATURE_GRAD_ERROR = (f"attention: {FEATURE_GRAD_REASON}; call without them, under torch.no_grad(), or with "
-                      "fallback='sdpa' (SDPA computes such calls and their gradients)")
 FEATURE_OP_GRAD_ERROR = ("attention: a gradient is needed (q, k or v requires grad) and the attention_features op computes "
-                         "none; call the module's attention(...) (a window or a soft cap trains through the backward "
-                         "kernels), or with fallback='sdpa'")
+                         "none; call the module's attention(...) (a window, a soft cap and per-batch key ranges train "
+                         "through the backward kernels), or with fallback='sdpa'")
 
 
 def _empty_output(q: Any, k: Any, v: Any) -> Any:
@@ -395,24 +391,20 @@ class Launcher:
                            fallback: str | None) -> Any:
         """A call with features or a fallback whose inputs require grad: ``plain`` (the training
         path) where it asks no feature, ``train`` (``op.make_training``: the LSE forward and
-        the backward built with them) where it asks a window or a soft cap; SDPA (differentiable,
-        counted) with ``fallback`` where neither has kernels for it or it passes per-batch key
-        ranges or query lengths; otherwise NotImplementedError (or the kernels' error) in one line."""
+        the backward built with them) where it asks a window, a soft cap or per-batch key ranges
+        and query lengths; SDPA (differentiable, counted) with ``fallback`` where neither has
+        kernels for it; otherwise NotImplementedError (or the kernels' error) in one line."""
         if features.seqlens:
             check_ranges(q, seqlens_k, leftpad_k, seqlens_q)
-            if fallback is None:
-                raise NotImplementedError(FEATURE_GRAD_ERROR)
-            reason = FEATURE_GRAD_REASON
-        else:
-            run = (plain if not features.needed(bool(is_causal))
-                   else lambda *args: train(*args, features))
-            if fallback is None:
-                return run(q, k, v, is_causal, scale, enable_gqa, deterministic)
-            try:
-                return run(q, k, v, is_causal, scale, enable_gqa, deterministic)
-            except Uncovered as exc:
-                reason = str(exc).removeprefix("attention: ")
-            except NotImplementedError as exc:  # no backward for this variant or these features
-                reason = str(exc).removeprefix("attention: ").split(";")[0]
+        run = (plain if not features.needed(bool(is_causal))
+               else lambda *args: train(*args, features, seqlens_k, leftpad_k, seqlens_q))
+        if fallback is None:
+            return run(q, k, v, is_causal, scale, enable_gqa, deterministic)
+        try:
+            return run(q, k, v, is_causal, scale, enable_gqa, deterministic)
+        except Uncovered as exc:
+            reason = str(exc).removeprefix("attention: ")
+        except NotImplementedError as exc:  # no backward for this variant or these features
+            reason = str(exc).removeprefix("attention: ").split(";")[0]
         self.fallbacks.add(reason)
         return reference_attention(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k, seqlens_q)

@@ -6,14 +6,16 @@ them and FakeTensorMode runs them without a GPU):
 - ``attention(q, k, v, is_causal, scale, enable_gqa, deterministic) -> out``: inference; no LSE is
   written. Its registered backward recomputes the LSE (one LSE forward) for callers that hold
   the op itself;
-- ``attention_lse(..., window_left, window_right, softcap) -> (out, lse)``: the forward a gradient
-  needs (the row log-sum-exp beside the output), with ``torch.library.register_autograd``: it saves
-  q, k, v, out and lse only; a window or a soft cap runs kernels built with them;
-- ``attention_backward(do, q, k, v, out, lse, ..., window_left, window_right, softcap) -> (dq, dk,
-  dv)``, whose own backward (a double backward) is refused in one line;
+- ``attention_lse(..., window_left, window_right, softcap, seqlens_k, leftpad_k, seqlens_q) -> (out,
+  lse)``: the forward a gradient needs (the row log-sum-exp beside the output), with
+  ``torch.library.register_autograd``: it saves q, k, v, out, lse and the range tensors only; a
+  window, a soft cap or per-batch key ranges and query lengths (a padded batch) run kernels built
+  with them;
+- ``attention_backward(do, q, k, v, out, lse, ..., window_left, window_right, softcap, seqlens_k,
+  leftpad_k, seqlens_q) -> (dq, dk, dv)``, whose own backward (a double backward) is refused in one line;
 - ``attention_features(q, k, v, ..., window_left, window_right, softcap, seqlens_k, leftpad_k,
   seqlens_q, fallback) -> out``: a call with features or a fallback, for inference (``attention`` sends the
-  calls with a window or a soft cap that need a gradient to ``attention_lse``).
+  calls with features that need a gradient to ``attention_lse``).
 
 ``attention(...)`` takes the eager fast path for plain tensors that need no gradient, the
 ``attention_lse`` op where one is needed (grad mode on and q, k or v requiring grad), and the
@@ -27,16 +29,17 @@ from typing import Any, Callable
 import torch
 
 from .checks import DTYPE_NAMES, Coverage, check_grad, check_inputs
-from .features import PLAIN, CallFeatures
+from .features import PLAIN, CallFeatures, check_ranges
 
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
           "bool deterministic=False) -> Tensor")
 LSE_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
-              "bool deterministic=False, int window_left=-1, int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)")
+              "bool deterministic=False, int window_left=-1, int window_right=-1, float softcap=0.0, "
+              "Tensor? seqlens_k=None, Tensor? leftpad_k=None, Tensor? seqlens_q=None) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool is_causal, float? scale, "
-                   "bool enable_gqa, bool deterministic, int window_left=-1, int window_right=-1, float softcap=0.0) "
-                   "-> (Tensor, Tensor, Tensor)")
-NO_GRADS = (None,) * 7
+                   "bool enable_gqa, bool deterministic, int window_left=-1, int window_right=-1, float softcap=0.0, "
+                   "Tensor? seqlens_k=None, Tensor? leftpad_k=None, Tensor? seqlens_q=None) -> (Tensor, Tensor, Tensor)")
+NO_GRADS = (None,) * 10
 """``attention_lse``'s gradients of its arguments after q, k and v (none)."""
 DOUBLE_BACKWARD_ERROR = ("attention: double backward (a gradient of the attention's gradients, e.g. create_graph=True) "
                          "is not supported by the exported kernels")
@@ -66,8 +69,9 @@ class Ops:
 def register_ops(namespace: str, forward: Forward, forward_lse: Callable[..., Any], backward: Callable[..., Any],
                  coverage: Coverage, grad_check: Callable[..., None]) -> Ops:
     """The export's ops, registered on first use of the namespace (a second copy of the same export
-    shares them). ``forward_lse(q, k, v, is_causal, scale, enable_gqa, features)`` and
-    ``backward(..., deterministic, features)`` take the call's ``features.CallFeatures``;
+    shares them). ``forward_lse(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k,
+    seqlens_q)`` and ``backward(..., deterministic, features, seqlens_k, leftpad_k, seqlens_q)`` take the
+    call's ``features.CallFeatures`` and range tensors (None: none);
     ``grad_check(q, is_causal, needed=(), deterministic=False)`` raises unless a backward covers
     such a call (metadata only, so it also runs on fake tensors)."""
     ns = getattr(torch.ops, namespace)
@@ -88,32 +92,37 @@ def _define(namespace: str, forward: Forward, forward_lse: Callable[..., Any], b
         return torch.empty_like(q)
 
     def lse_impl(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                 deterministic: bool = False, window_left: int = -1, window_right: int = -1,
-                 softcap: float = 0.0) -> tuple[Any, Any]:
-        features = CallFeatures(window_left, window_right, softcap)
-        out, lse = forward_lse(q, k, v, is_causal, scale, enable_gqa, features)
+                 deterministic: bool = False, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                 seqlens_k: Any = None, leftpad_k: Any = None, seqlens_q: Any = None) -> tuple[Any, Any]:
+        features = op_features(q, window_left, window_right, softcap, seqlens_k, leftpad_k, seqlens_q)
+        out, lse = forward_lse(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k, seqlens_q)
         return out, lse
 
     def lse_fake(q: Any, k: Any, v: Any, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                 deterministic: bool = False, window_left: int = -1, window_right: int = -1,
-                 softcap: float = 0.0) -> tuple[Any, Any]:
+                 deterministic: bool = False, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                 seqlens_k: Any = None, leftpad_k: Any = None, seqlens_q: Any = None) -> tuple[Any, Any]:
         check_inputs(coverage, q, k, v, is_causal, scale, enable_gqa)
-        grad_check(q, is_causal, CallFeatures(window_left, window_right, softcap).needed(bool(is_causal)), deterministic)
+        features = op_features(q, window_left, window_right, softcap, seqlens_k, leftpad_k, seqlens_q)
+        grad_check(q, is_causal, features.needed(bool(is_causal)), deterministic)
         return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     def backward_impl(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, is_causal: bool, scale: float | None,
                       enable_gqa: bool, deterministic: bool, window_left: int = -1, window_right: int = -1,
-                      softcap: float = 0.0) -> tuple[Any, Any, Any]:
-        features = CallFeatures(window_left, window_right, softcap)
-        return backward(grad_out, q, k, v, out, lse, is_causal, scale, enable_gqa, deterministic, features)
+                      softcap: float = 0.0, seqlens_k: Any = None, leftpad_k: Any = None,
+                      seqlens_q: Any = None) -> tuple[Any, Any, Any]:
+        features = op_features(q, window_left, window_right, softcap, seqlens_k, leftpad_k, seqlens_q)
+        return backward(grad_out, q, k, v, out, lse, is_causal, scale, enable_gqa, deterministic, features, seqlens_k,
+                        leftpad_k, seqlens_q)
 
     def backward_fake(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, is_causal: bool, scale: float | None,
                       enable_gqa: bool, deterministic: bool, window_left: int = -1, window_right: int = -1,
-                      softcap: float = 0.0) -> tuple[Any, Any, Any]:
+                      softcap: float = 0.0, seqlens_k: Any = None, leftpad_k: Any = None,
+                      seqlens_q: Any = None) -> tuple[Any, Any, Any]:
         devices = {t.device for t in (grad_out, q, k, v, out, lse)}
         if len(devices) != 1:
             raise ValueError(f"attention: backward inputs must be on one device, got {', '.join(sorted(map(str, devices)))}")
-        grad_check(q, is_causal, CallFeatures(window_left, window_right, softcap).needed(bool(is_causal)), deterministic)
+        features = op_features(q, window_left, window_right, softcap, seqlens_k, leftpad_k, seqlens_q)
+        grad_check(q, is_causal, features.needed(bool(is_causal)), deterministic)
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     lib = f"{namespace}::"
@@ -129,17 +138,18 @@ def _define(namespace: str, forward: Forward, forward_lse: Callable[..., Any], b
     def lse_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
         out, lse = output
         ctx.mark_non_differentiable(lse)
-        q, k, v, is_causal, scale, enable_gqa, deterministic, window_left, window_right, softcap = inputs
-        ctx.save_for_backward(q, k, v, out, lse)
+        (q, k, v, is_causal, scale, enable_gqa, deterministic, window_left, window_right, softcap, seqlens_k, leftpad_k,
+         seqlens_q) = inputs
+        ctx.save_for_backward(q, k, v, out, lse, seqlens_k, leftpad_k, seqlens_q)
         ctx.is_causal, ctx.scale, ctx.enable_gqa, ctx.deterministic = is_causal, scale, enable_gqa, deterministic
         ctx.window_left, ctx.window_right, ctx.softcap = window_left, window_right, softcap
 
     def lse_backward(ctx: Any, grad_out: Any, grad_lse: Any) -> tuple:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, seqlens_k, leftpad_k, seqlens_q = ctx.saved_tensors
         if grad_out is None:
             return (None, None, None, *NO_GRADS)
         dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.enable_gqa, ctx.deterministic,
-                                 ctx.window_left, ctx.window_right, ctx.softcap)
+                                 ctx.window_left, ctx.window_right, ctx.softcap, seqlens_k, leftpad_k, seqlens_q)
         return (dq, dk, dv, *NO_GRADS)
 
     def inference_setup(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -166,6 +176,16 @@ def _define(namespace: str, forward: Forward, forward_lse: Callable[..., Any], b
     with_lse.register_autograd(lse_backward, setup_context=lse_setup)
     inference.register_autograd(inference_backward, setup_context=inference_setup)
     gradients.register_autograd(refuse_double_backward, setup_context=backward_setup)
+
+
+def op_features(q: Any, window_left: int, window_right: int, softcap: float, seqlens_k: Any, leftpad_k: Any,
+                seqlens_q: Any) -> CallFeatures:
+    """The ``CallFeatures`` of an ``attention_lse`` or ``attention_backward`` call (as ``call_features``
+    makes them); its range tensors checked (ValueError, one line), metadata only."""
+    ranges = seqlens_k is not None or leftpad_k is not None or seqlens_q is not None
+    if ranges:
+        check_ranges(q, seqlens_k, leftpad_k, seqlens_q)
+    return CallFeatures(window_left, window_right, softcap, ranges, padded=seqlens_q is not None)
 
 
 def make_attention(forward: Forward, ops: Ops, train: Callable[..., Any]) -> Callable[..., Any]:
@@ -211,19 +231,24 @@ def grad_checker(backward: Any) -> Callable[..., None]:
 
 
 def make_training(ops: Ops, settings: Settings) -> Callable[..., Any]:
-    """``train(q, k, v, is_causal, scale, enable_gqa, deterministic, features=PLAIN) -> out``: a call
-    whose inputs require grad, through ``attention_lse`` (its backward runs the backward kernels,
-    those built with the call's window or soft cap where it has them); eager and under
-    torch.compile alike. ``deterministic`` None: the module's setting, or torch's."""
+    """``train(q, k, v, is_causal, scale, enable_gqa, deterministic, features=PLAIN, seqlens_k=None,
+    leftpad_k=None, seqlens_q=None) -> out``: a call whose inputs require grad, through
+    ``attention_lse`` (its backward runs the backward kernels, those built with the call's window,
+    soft cap or per-batch key ranges where it has them); eager and under torch.compile alike.
+    ``deterministic`` None: the module's setting, or torch's."""
     lse_op = ops.attention_lse
     torch_deterministic = torch.are_deterministic_algorithms_enabled
 
     def train(q: Any, k: Any, v: Any, is_causal: bool, scale: float | None, enable_gqa: bool,
-              deterministic: bool | None, features: CallFeatures = PLAIN) -> Any:
+              deterministic: bool | None, features: CallFeatures = PLAIN, seqlens_k: Any = None,
+              leftpad_k: Any = None, seqlens_q: Any = None) -> Any:
         if deterministic is None:
             deterministic = settings.deterministic or torch_deterministic()
+        if seqlens_k is None and leftpad_k is None and seqlens_q is None:
+            return lse_op(q, k, v, is_causal, scale, enable_gqa, bool(deterministic), features.window_left,
+                          features.window_right, features.softcap)[0]
         return lse_op(q, k, v, is_causal, scale, enable_gqa, bool(deterministic), features.window_left,
-                      features.window_right, features.softcap)[0]
+                      features.window_right, features.softcap, seqlens_k, leftpad_k, seqlens_q)[0]
 
     return train
 
@@ -302,11 +327,11 @@ def make_feature_attention(plain: Callable[..., Any], forward: FeatureForward, o
         padded batch's padding rows: their work is skipped); a query that sees no key gives 0. fallback='sdpa': a call no exported kernel covers runs
         SDPA (with the features as an explicit mask), counted per reason in fallback_counts();
         None (default): such a call raises ValueError. Gradients: where q, k or v requires grad, a
-        call with window_size or softcap runs the forward and backward kernels built with them
-        (eager and under torch.compile; a query that sees no key gets zero gradients); a call with
-        seqlens_k, leftpad_k or seqlens_q, or one whose export has no such backward kernels, raises
-        NotImplementedError in one line, or with fallback='sdpa' runs SDPA (differentiable,
-        counted)."""
+        call with window_size, softcap, seqlens_k, leftpad_k or seqlens_q (a padded batch trains)
+        runs the forward and backward kernels built with them (eager and under torch.compile; a
+        query that sees no key gets zero gradients, a masked key zero dK and dV); a call whose
+        export has no such backward kernels raises NotImplementedError in one line, or with
+        fallback='sdpa' runs SDPA (differentiable, counted)."""
         if (window_size is None and softcap is None and seqlens_k is None and leftpad_k is None and seqlens_q is None
                 and fallback is None):
             return plain(q, k, v, is_causal, scale, enable_gqa, deterministic)
