@@ -296,27 +296,34 @@ def test_a_small_llama_trains_on_padded_batches_through_register_hf_as_through_s
                          num_key_value_heads=2, head_dim=64, max_position_embeddings=512, initializer_range=0.05,
                          pad_token_id=0, bos_token_id=1, eos_token_id=2)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    data = torch.randint(3, 512, (10, 4, 128), device="cuda", generator=gen)
+    data = torch.randint(3, 512, (4, 128), device="cuda", generator=gen)   # one batch, learnt over 5 steps
     lengths = [128, 100, 37, 1]
     mask = (left_padded if padding == "left" else right_padded)(lengths, 128).cuda()
-    data = data.masked_fill(mask[None] == 0, 0)
-    labels = data.masked_fill(mask[None] == 0, -100)
-    losses = {}
+    data = data.masked_fill(mask == 0, 0)
+    labels = data.masked_fill(mask == 0, -100)
+    losses, first_grads = {}, {}
     module.fallback_counts(reset=True)
     for implementation in ("sdpa", "evo_train_padded"):
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
         model.set_attn_implementation(implementation)
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
         losses[implementation] = []
-        for ids, target in zip(data, labels):
-            loss = model(ids, attention_mask=mask, labels=target).loss
+        for _ in range(5):
+            loss = model(data, attention_mask=mask, labels=labels).loss
             loss.backward()
+            if not losses[implementation]:
+                first_grads[implementation] = torch.cat([p.grad.float().flatten() for p in model.parameters()])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses[implementation].append(loss.item())
-    for step, (ref, ours) in enumerate(zip(losses["sdpa"], losses["evo_train_padded"])):
-        assert abs(ours - ref) <= 0.01 * abs(ref), f"{padding} step {step}: loss {ours:.4f} vs SDPA {ref:.4f}"
-    assert losses["evo_train_padded"][-1] < losses["evo_train_padded"][0]
+    # the same first step (the same model and batch): loss and every parameter's gradient as SDPA's; later
+    # steps part by bf16 rounding, amplified by the optimizer, so only the trajectory's end is compared
+    ref, ours = losses["sdpa"], losses["evo_train_padded"]
+    assert abs(ours[0] - ref[0]) <= 0.005 * ref[0], f"{padding}: first loss {ours[0]:.4f} vs SDPA {ref[0]:.4f}"
+    cosine = torch.nn.functional.cosine_similarity(first_grads["sdpa"], first_grads["evo_train_padded"], dim=0).item()
+    assert cosine > 0.99, f"{padding}: first gradients' cosine similarity to SDPA's {cosine:.4f}"
+    assert abs(ours[-1] - ref[-1]) <= 0.05 * ref[-1] + 0.02, f"{padding}: losses {ours} vs SDPA {ref}"
+    assert losses["evo_train_padded"][-1] < 0.9 * losses["evo_train_padded"][0]   # it learns the batch
     assert module.fallback_counts() == {}
