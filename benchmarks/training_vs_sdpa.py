@@ -1,7 +1,9 @@
 """The backward of an export against SDPA's (cuDNN, flash) and flash-attn-4's, and a small Llama's
-training step (eager and under torch.compile) with SDPA and with the export.
+training step (eager and under torch.compile) with SDPA and with the export (--padded: also on a
+right-padded batch, SDPA with the padding mask, the export with the batch's lengths).
 
     python benchmarks/training_vs_sdpa.py --module best/ [--out bench/] [--quick]
+    python benchmarks/training_vs_sdpa.py --module best/ --llama-only --padded
 
 Rows: B4 H16 S2048 D64 and D128, B8 H16 S4096 D128, GQA B2 H32/8 S4096 D128, B1 H32 S8192
 D128, full and causal, fp16 and bf16 (a row whose variant the export's backward does not cover
@@ -19,7 +21,8 @@ from pathlib import Path
 
 from evoengineer.bench.exported import load_module
 from evoengineer.bench.protocol import Summary
-from evoengineer.bench.training import SHAPES, SIDES, backward_row, llama_step_times, summary_lines, time_backwards
+from evoengineer.bench.training import (PADDED_LENGTHS, SHAPES, SIDES, backward_row, llama_step_times, summary_lines,
+                                        time_backwards)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 rounds, 10 samples, the first shape only, no Llama")
     parser.add_argument("--no-llama", action="store_true", help="skip the Llama training step")
     parser.add_argument("--llama-only", action="store_true", help="only the Llama training step, eager and compiled")
+    parser.add_argument("--padded", action="store_true",
+                        help="the Llama step on a padded batch as well (4 rows of 2048/1536/1024/512 tokens, right "
+                             "padding): SDPA takes the padding mask, the export its lengths")
     args = parser.parse_args(argv)
 
     import torch
@@ -58,16 +64,22 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     llama: dict[str, dict] = {}
     if not (args.quick or args.no_llama):
+        batches = [("B2 S2048", None)] + ([("padded " + "/".join(map(str, PADDED_LENGTHS)), PADDED_LENGTHS)]
+                                          if args.padded else [])
         for mode in ("eager", "compiled"):
-            try:
-                steps = llama_step_times(module, rounds=3, steps=5, dtype=torch.bfloat16, compiled=mode == "compiled")
-            except ImportError as exc:
-                print(f"Llama step skipped: {exc}")
-                break
-            llama[mode] = {name: {"median_ms": Summary.of(ms).median_us, "rounds": ms} for name, ms in steps.items() if ms}
-            print(f"Llama (4 layers, 2048 hidden, B2 S2048, bf16) training step, {mode}, ms: "
-                  + ", ".join(f"{name} {s['median_ms']:.1f}" for name, s in llama[mode].items()))
-            sys.stdout.flush()
+            for batch, lengths in batches:
+                try:
+                    steps = llama_step_times(module, rounds=3, steps=5, dtype=torch.bfloat16,
+                                             compiled=mode == "compiled", lengths=lengths)
+                except ImportError as exc:
+                    print(f"Llama step skipped: {exc}")
+                    break
+                key = mode if lengths is None else f"{mode}, {batch}"
+                llama[key] = {name: {"median_ms": Summary.of(ms).median_us, "rounds": ms} for name, ms in steps.items()
+                              if ms}
+                print(f"Llama (4 layers, 2048 hidden, {batch}, bf16) training step, {mode}, ms: "
+                      + ", ".join(f"{name} {s['median_ms']:.1f}" for name, s in llama[key].items()))
+                sys.stdout.flush()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps({"rows": rows, "llama_step_ms": llama or None}, indent=1))

@@ -34,3 +34,14 @@ def test_the_script_describes_itself() -> None:
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "training_vs_sdpa.py"), "--help"], capture_output=True,
                           text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0 and "--module" in done.stdout and "cuDNN" in done.stdout
+
+
+def test_the_padded_llama_batch_is_right_padded_as_transformers_takes_it() -> None:
+    from evoengineer.bench.training import PADDED_LENGTHS, right_padding_mask
+
+    mask = right_padding_mask(PADDED_LENGTHS, 2048)
+    assert mask.shape == (4, 2048) and mask.sum(dim=1).tolist() == [2048, 1536, 1024, 512]
+    assert mask[1, :1536].all() and not mask[1, 1536:].any()   # tokens first, then padding
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "training_vs_sdpa.py"), "--help"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert "--padded" in done.stdout

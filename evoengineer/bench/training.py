@@ -118,17 +118,35 @@ def summary_lines(rows: Sequence[dict]) -> list[str]:
     return lines
 
 
-def llama_step_times(module: Any, rounds: int, steps: int, dtype: Any, compiled: bool = False) -> dict[str, list[float]]:
+PADDED_LENGTHS = (2048, 1536, 1024, 512)
+"""The padded Llama step's batch: four sequences right-padded to 2,048 tokens."""
+
+
+def right_padding_mask(lengths: Sequence[int], total: int) -> Any:
+    """The attention mask transformers takes for right-padded sequences: (batch, total), 1 on the
+    first ``lengths[b]`` tokens of row b, 0 on its padding."""
+    import torch
+
+    return (torch.arange(total)[None, :] < torch.tensor(list(lengths))[:, None]).long()
+
+
+def llama_step_times(module: Any, rounds: int, steps: int, dtype: Any, compiled: bool = False,
+                     lengths: Sequence[int] | None = None) -> dict[str, list[float]]:
     """Milliseconds per training step (forward, backward, AdamW) of a small random Llama with SDPA
     and with the export (``register_hf``), in interleaved rounds of ``steps`` steps; ``compiled``:
-    each side's model under ``torch.compile`` (one model a side, compiled at its first step)."""
+    each side's model under ``torch.compile`` (one model a side, compiled at its first step).
+    ``lengths``: a padded batch of these lengths (right padding, 2,048 tokens a row; the padding's
+    labels ignored) instead of two full rows."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     name = module.register_hf("evo_bench")
     config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
                          num_attention_heads=16, num_key_value_heads=4, head_dim=128, max_position_embeddings=4096)
-    ids = torch.randint(0, config.vocab_size, (2, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    rows = 2 if lengths is None else len(lengths)
+    ids = torch.randint(0, config.vocab_size, (rows, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    mask = None if lengths is None else right_padding_mask(lengths, 2048).cuda()
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
 
     def build(implementation: str) -> tuple[Any, Any]:
         torch.manual_seed(0)
@@ -145,13 +163,13 @@ def llama_step_times(module: Any, rounds: int, steps: int, dtype: Any, compiled:
         if not compiled:
             model.set_attn_implementation(implementation)
         for _ in range(2):
-            model(ids, labels=ids).loss.backward()
+            model(ids, attention_mask=mask, labels=labels).loss.backward()
             optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(steps):
-            model(ids, labels=ids).loss.backward()
+            model(ids, attention_mask=mask, labels=labels).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         end.record()
