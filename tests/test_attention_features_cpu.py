@@ -172,6 +172,27 @@ def test_the_plan_of_a_mask_is_read_once_per_mask_tensor() -> None:
         hf.mask_plan(mask, 2, 6, 6)
 
 
+def test_under_torch_compile_the_mask_plan_runs_outside_the_graph_without_graph_break_warnings() -> None:
+    import logging
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda m: hf.mask_plan(m, 2, 6, 6), backend="eager")
+        plan = compiled(hf_mask(right_padded([6, 4], 6), 6))
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+    assert plan.causal and plan.seqlens_k.tolist() == [6, 4] and plan.leftpad_k is None
+    assert not [m for m in messages if "Graph break" in m]
+
+
 def test_a_mask_made_under_inference_mode_is_read_on_every_call() -> None:
     with torch.inference_mode():  # inference tensors keep no version counter
         mask = hf_mask(left_padded([6, 4], 6), 6)

@@ -57,9 +57,12 @@ def allowed_from_mask(mask: Any, q_len: int, kv_len: int) -> Any:
     return allowed
 
 
+@torch.compiler.disable
 def mask_plan(mask: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
     """The mask in the kernels' terms (computed once per mask tensor, ``HeldResults``); MaskError,
-    one line, where no causal flag, window and per-batch key range rebuild it exactly."""
+    one line, where no causal flag, window and per-batch key range rebuild it exactly. It reads the
+    mask's values, so under torch.compile it runs eagerly, outside the graph (not traced into, where
+    each of its reads would break the graph with a warning)."""
     return _MASK_PLANS.get((mask,), (batch, q_len, kv_len), lambda: _mask_plan(mask, batch, q_len, kv_len))
 
 
