@@ -116,25 +116,46 @@ def test_the_seqlens_kernels_mask_by_the_batch_range_and_skip_what_it_masks_whol
             assert "const int kv_end = m0 >= rng.q_hi ? 0 : IS_CAUSAL ? min(rng.hi, m0 + BM) : rng.hi;" in source
 
 
+WGMMA = [(d, name) for d, named in WGMMA_CONFIGS.items() for name in named]
+
+
+@pytest.mark.parametrize("head_dim,name", WGMMA, ids=lambda x: str(x))
+def test_every_wgmma_configuration_compiles_with_the_features_without_spills(head_dim: int, name: str) -> None:
+    """The wgmma dK/dV kernel with every switch: the masks of the window and the batch's range, its tile bounds,
+    rows that see no key at LSE +inf, the cap's derivative from P; for sm_90a without a spilled byte."""
+    config = WGMMA_CONFIGS[head_dim][name]
+    variants = [Variant(head_dim, causal, "bf16", ALL) for causal in (False, True)]
+    rendered = [render(BACKWARD_TEMPLATE, config, v) for v in variants]
+    plain = render(BACKWARD_TEMPLATE, config, Variant(head_dim, True, "bf16"))
+    for r in rendered:
+        dkdv = r.source[r.source.index("attn_bwd_dkdv("):]
+        assert "const mma_bwd::Ranges rng(seqlens_k, leftpad_k, seqlens_q, b, S_k, S_q);" in dkdv
+        assert "key >= rng.hi || key < rng.lo || (IS_CAUSAL && key > row) || key < row - win.left" in dkdv
+        assert "lse2_of(lse.x, m0 + c0 < S_q && m0 + c0 < rng.q_hi)" in dkdv and "cap_factor_of(cap.on, " in dkdv
+        assert "const int m_tiles = k_first <= k_last ? min((rng.q_hi + BM - 1) / BM, (k_last + win.left) / BM + 1) : 0;" in dkdv
+        assert backward_launches(r) == backward_launches(plain)
+    for variant, result in zip(variants, compile_many([r.source for r in rendered], "sm_90a")):
+        assert result.ok, f"{name} {variant.label()}: {result.error}"
+        assert result.spill_bytes == 0, f"{name} {variant.label()}: {result.registers} registers, {result.spill_bytes} spill bytes"
+
+
 def test_the_backward_refuses_features_it_does_not_hold() -> None:
-    with pytest.raises(RenderError, match="THE_BACKWARD_PATH_DOES_NOT_HOLD_A_FEATURE_ASKED"):
-        render(BACKWARD_TEMPLATE, BACKWARD_CONFIGS[64]["m64n64"], Variant(64, False, "fp16", ("varlen",)))
-    for features in (("softcap",), ("seqlens",)):
+    for config in (BACKWARD_CONFIGS[64]["m64n64"], WGMMA_CONFIGS[64]["w64n128"]):
         with pytest.raises(RenderError, match="THE_BACKWARD_PATH_DOES_NOT_HOLD_A_FEATURE_ASKED"):
-            render(BACKWARD_TEMPLATE, WGMMA_CONFIGS[64]["w64n128"], Variant(64, False, "fp16", features))
+            render(BACKWARD_TEMPLATE, config, Variant(64, False, "fp16", ("varlen",)))
 
 
 def test_the_paths_declare_what_they_hold() -> None:
-    assert mma_backward.PATH.features == FEATURES == ALL and wgmma_backward.PATH.features == ()
-    assert holds_features(default_config(64)) and not holds_features(default_config(64, hopper=True))
+    assert mma_backward.PATH.features == FEATURES == ALL and wgmma_backward.PATH.features == ALL
+    assert holds_features(default_config(64)) and holds_features(default_config(64, hopper=True))
     scope = {**mma_backward.DEFAULTS, "DKDV": "strips", "BLOCK_M": 64, "BLOCK_N": 64, "HEAD_DIMS": (64,),
              "MIN_HEAD_DIM": 64, "MAX_HEAD_DIM": 64, "SMEM_LIMIT": 1 << 20}
     assert mma_backward.PATH.violations(scope, {"FEATURES": ALL}) == []
     assert mma_backward.PATH.violations(scope, {"FEATURES": ("varlen",)}) == [
         "mma.features: the mma path holds the features seqlens, softcap, window"]
-    # a Hopper export's feature kernels: the mma default in place of the wgmma fallback, and the deterministic one
+    # a Hopper export's feature kernels: its wgmma fallback's, and the deterministic one
     hopper, exact = default_config(128, hopper=True), default_config(128, deterministic_dq=True)
-    assert feature_configs(hopper, exact, 128) == [default_config(128), exact]
+    assert feature_configs(hopper, exact, 128) == [hopper, exact]
     assert feature_configs(exact, exact, 128) == [exact]
     assert problems(default_config(64), 64) == []
 
@@ -240,11 +261,13 @@ def test_the_export_ships_feature_kernels_of_the_backward_for_every_variant(expo
         variant = (entry["dtype"], entry["head_dim"], entry["causal"])
         kernels = [k for k in info["kernels"] if (k["dtype"], k["head_dim"], k["causal"]) == variant]
         with_features = [k for k in kernels if k.get("features")]
-        assert {k["config"] for k in with_features} == {default_config(entry["head_dim"]).key(), entry["deterministic"]}
+        assert {k["config"] for k in with_features} == {entry["fallback"], entry["deterministic"]}
         for kernel in with_features:
             assert kernel["features"] == list(ALL) and "-seqlens-softcap-window" in kernel["source"]
-            assert kernel["args"][-6:] == [["softcap", "f32"], ["window_left", "i32"], ["window_right", "i32"],
-                                           ["seqlens_k", "ptr"], ["leftpad_k", "ptr"], ["seqlens_q", "ptr"]]
+            maps = 4 if kernel.get("tensor_maps") else 0   # a TMA kernel's tensor maps follow the arguments
+            assert kernel["args"][len(kernel["args"]) - 6 - maps:len(kernel["args"]) - maps] == [
+                ["softcap", "f32"], ["window_left", "i32"], ["window_right", "i32"],
+                ["seqlens_k", "ptr"], ["leftpad_k", "ptr"], ["seqlens_q", "ptr"]]
             assert "// FEATURES seqlens softcap window" in (out / kernel["source"]).read_text()
         forwards = [k for k in info["forward_kernels"] if (k["dtype"], k["head_dim"], k["causal"]) == variant]
         assert sorted(tuple(sorted(set(k["features"]) & set(ALL))) for k in forwards) == [(), ALL]
@@ -260,7 +283,7 @@ def test_a_call_with_features_runs_the_kernels_built_with_them(exported) -> None
     launcher = module._export.backward
     plain_cid = module.dispatch_backward("fp16", 64, True, 2, 8, 77, 77)   # the wgmma fallback (a Hopper export)
     spec = launcher._kernel("fp16", 64, True, plain_cid, False, ("window",))
-    assert spec.features == ALL and spec.config == default_config(64).key() and not spec.deterministic
+    assert spec.features == ALL and spec.config == plain_cid and not spec.deterministic   # the fallback's own
     spec = launcher._kernel("fp16", 64, True, plain_cid, False, ("seqlens",))
     assert spec.features == ALL and not spec.deterministic
     assert [a for a in spec.args if a[1] == "ptr"][-3:] == [("seqlens_k", "ptr"), ("leftpad_k", "ptr"), ("seqlens_q", "ptr")]

@@ -196,7 +196,9 @@ def test_an_export_carries_the_tma_backward_and_reads_it_back(tmp_path: Path) ->
     export_runs([make_run(tmp_path / "run")], tmp_path / "out", backward=backward_choice(["w64n128-tma"]))
     info = json.loads((tmp_path / "out" / "kernel.json").read_text())["backward"]
     tma = [k for k in info["kernels"] if k["config"] == TMA.key()]
-    assert len(tma) == 4 and all(k["args"][-4:] == [[f"tm_{t}", "tmap"] for t in MAPS] for k in tma)
+    # every variant's plain kernel and its kernel with the features (their arguments before the maps)
+    assert len(tma) == 8 and all(k["args"][-4:] == [[f"tm_{t}", "tmap"] for t in MAPS] for k in tma)
+    assert sorted(tuple(k.get("features", ())) for k in tma) == [()] * 4 + [("seqlens", "softcap", "window")] * 4
     assert all([m["tensor"] for m in k["tensor_maps"]] == list(MAPS) for k in tma)
     assert all("tensor_maps" not in k for k in info["kernels"] if k["config"] != TMA.key())
     assert info["configs"][TMA.key()]["short"] == "bwd wgmma 64x128 st2 tma atomic"

@@ -5,9 +5,9 @@ parameters, validity and shared memory ``evoengineer.paths.mma_backward`` and ``
 (``templates/flash_attention_bwd.cu.j2``, ``_attn_bwd_mma.cuh.j2`` and ``_attn_bwd_wgmma.cuh.j2``
 honour them; the CPU tests check both agree). A configuration without PATH is an mma one. The forward
 that feeds it is a forward with ``WRITE_LSE=1`` (``forward_lse_config``): an export's own wgmma
-forward where it can write the LSE, else an mma one. Calls with a window or a soft cap train through
-kernels built with those switches (``FEATURES``, the mma path's: ``holds_features``) and an LSE
-forward built with them too.
+forward where it can write the LSE, else an mma one. Calls with a window, a soft cap or per-batch ranges
+train through kernels built with those switches (``FEATURES``, which both paths hold: ``holds_features``)
+and an LSE forward built with them too.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ DQ_MODES = rules.DQ_MODES
 HEAD_DIMS = rules.HEAD_DIMS
 DKDV_LAYOUTS = rules.DKDV_LAYOUTS
 FEATURES = rules.FEATURES
-"""The features a backward can hold (softcap, window): an export builds its feature kernels with all of them."""
+"""The features a backward can hold (seqlens, softcap, window): an export builds its feature kernels with all of them."""
 TILES_WARPS = rules.TILES_WARPS
 DEFAULTS: dict[str, int | str] = {"PATH": "mma", **rules.DEFAULTS}
 """What an mma backward configuration takes for a parameter it leaves out (and PATH: mma)."""
@@ -109,7 +109,7 @@ def fits(config: Config, head_dim: int, smem_per_block: int) -> bool:
 
 
 def holds_features(config: Config) -> bool:
-    """Its path's template holds every one of ``FEATURES`` (the mma path; the wgmma path none)."""
+    """Its path's template holds every one of ``FEATURES`` (the mma and wgmma paths do)."""
     return set(FEATURES) <= set(PATH_RULES[str(_values(config)["PATH"])].FEATURES)
 
 

@@ -34,7 +34,8 @@ Parameters:
   anywhere); 16 bytes more shared memory (K's and V's mbarrier). The kernel then takes four tensor maps
   after the backward's arguments (``TENSOR_MAPS``).
 
-Not yet: a deterministic dQ pass.
+Features (``FEATURES``): per-batch key ranges and query lengths (padded batches), a sliding window and
+soft-capping, as the mma path's. Not yet: a deterministic dQ pass.
 """
 from __future__ import annotations
 
@@ -136,9 +137,9 @@ def template_values(c: Scope, head_dim: int) -> dict[str, Any]:
     return {"REGISTERS": registers(c), "OVERLAP_GEMMS": overlap_gemms(c, head_dim)}
 
 
-FEATURES: tuple[str, ...] = ()
-"""The compile-time features the path holds: none (a call with a window or a soft cap trains through the
-mma path's kernels)."""
+FEATURES: tuple[str, ...] = ("seqlens", "softcap", "window")
+"""The compile-time features the path holds (SEQLENS, SOFTCAP, WINDOW), as the mma path's: masks and tile bounds
+in the dK/dV kernel; the soft cap's derivative from P (no register keeps t between the softmax steps)."""
 
 RULES = (
     head_dims_rule(NAME, HEAD_DIMS),

@@ -170,8 +170,8 @@ def deterministic_twin(config: Config, head_dim: int) -> Config:
 
 def feature_configs(fallback: Config, exact: Config, head_dim: int) -> list[Config]:
     """The backward configurations of a variant that get kernels with features (``FEATURES``): its
-    fallback and its deterministic one where their path holds them, and where the fallback's does
-    not (the wgmma path), the head dim's mma default in its place."""
+    fallback and its deterministic one where their path holds them (the mma and wgmma paths do), and
+    where the fallback's does not, the head dim's mma default in its place."""
     wanted = [fallback if holds_features(fallback) else default_config(head_dim), exact]
     return [c for c in dict.fromkeys(wanted) if holds_features(c)]
 

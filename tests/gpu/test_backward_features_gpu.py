@@ -1,4 +1,5 @@
-"""The backward with a sliding window and soft-capping on the GPU (mma path, SOFTCAP=1 / WINDOW=1).
+"""The backward with a sliding window and soft-capping on the GPU (SOFTCAP=1 / WINDOW=1; mma path, and on sm_90
+every configuration of the wgmma path).
 
 Gradients dq, dk, dv (and the output) of our LSE forward and backward with the call's features
 against autograd of the attention written out in fp32 (``gpu.backward.reference_gradients``:
@@ -10,8 +11,8 @@ without causal, narrower than a tile, and with queries that see no key (their ou
 grouped-query heads; S = 1, 17, 257, 1000 and seq_q != seq_k. Every dK/dV layout (strips, tiles,
 halves) and both dQ modes. Then an exported module: ``attention(..., window_size=, softcap=)`` with
 requires_grad and ``.backward()`` (eager, deterministic bit for bit, torch.compile), for the mma
-export and, on sm_90, the export of a wgmma forward (whose backward fallback is the wgmma path:
-the feature calls take the mma feature kernels).
+export and, on sm_90, the export of a wgmma forward (whose backward fallback is the wgmma path, its
+feature kernels too).
 
 Run: ``python -m pytest -q -m gpu tests/gpu/test_backward_features_gpu.py``
 """
@@ -21,7 +22,7 @@ import itertools
 
 import pytest
 
-from evoengineer.kernels.backward_rules import BACKWARD_CONFIGS, backward_config
+from evoengineer.kernels.backward_rules import BACKWARD_CONFIGS, WGMMA_CONFIGS, backward_config
 from evoengineer.runtime.features import CallFeatures, allowed_keys
 from evoengineer.space import Config
 
@@ -135,6 +136,21 @@ def test_every_layout_and_dq_mode_matches_fp32_autograd_with_features(head_dim: 
                                                                       causal: bool, window, softcap) -> None:
     features = _features(window, softcap)
     for shape, dtype in itertools.product(((1, 4, 2, 257, 257), (1, 2, 2, 257, 77), (2, 2, 2, 17, 17)), DTYPES):
+        _check(config, shape, head_dim, dtype, causal, features)
+
+
+WGMMA = [(d, name, config) for d, named in WGMMA_CONFIGS.items() for name, config in named.items()]
+HOPPER = pytest.mark.skipif(torch is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                            reason="the wgmma backward needs an sm_90 GPU (H100, H200)")
+
+
+@HOPPER
+@pytest.mark.parametrize("causal,window,softcap", FEATURES, ids=lambda x: str(x))
+@pytest.mark.parametrize("head_dim,name,config", WGMMA, ids=lambda x: x if isinstance(x, str) else None)
+def test_every_wgmma_configuration_matches_fp32_autograd_with_features(head_dim: int, name: str, config: Config,
+                                                                       causal: bool, window, softcap) -> None:
+    features = _features(window, softcap)
+    for shape, dtype in itertools.product(SHAPES[1:], DTYPES):
         _check(config, shape, head_dim, dtype, causal, features)
 
 

@@ -1,5 +1,5 @@
-"""The backward with per-batch key ranges and query lengths on the GPU (mma path, SEQLENS=1): padded
-batches train.
+"""The backward with per-batch key ranges and query lengths on the GPU (SEQLENS=1; mma path, and on sm_90
+every configuration of the wgmma path): padded batches train.
 
 Gradients dq, dk, dv (and the output) of our LSE forward and backward with ``seqlens_k``,
 ``leftpad_k``, ``seqlens_q`` against autograd of the attention written out in fp32 with the
@@ -23,7 +23,7 @@ import itertools
 
 import pytest
 
-from evoengineer.kernels.backward_rules import backward_config
+from evoengineer.kernels.backward_rules import WGMMA_CONFIGS, backward_config
 from evoengineer.runtime.features import CallFeatures, allowed_keys
 from evoengineer.space import Config
 
@@ -153,6 +153,19 @@ CONFIGS = [  # (head dim, name, configuration): strips and tiles, atomic and sep
 def test_every_layout_and_dq_mode_matches_fp32_autograd_on_padded_batches(head_dim: int, name: str, config: Config,
                                                                           causal: bool) -> None:
     for case, dtype, window in itertools.product(RANGES[:4] + RANGES[5:6], DTYPES, WINDOWS):
+        _check(config, case, head_dim, dtype, causal, window)
+
+
+WGMMA = [(d, name, config) for d, named in WGMMA_CONFIGS.items() for name, config in named.items()]
+
+
+@pytest.mark.skipif(torch is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the wgmma backward needs an sm_90 GPU (H100, H200)")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim,name,config", WGMMA, ids=lambda x: x if isinstance(x, str) else None)
+def test_every_wgmma_configuration_matches_fp32_autograd_on_padded_batches(head_dim: int, name: str, config: Config,
+                                                                           causal: bool) -> None:
+    for case, dtype, window in itertools.product(RANGES, DTYPES, WINDOWS):
         _check(config, case, head_dim, dtype, causal, window)
 
 
