@@ -163,6 +163,33 @@ def test_masks_the_kernels_cannot_express_are_refused_in_one_line(what: str) -> 
     assert str(err.value).startswith("hf_attention: ") and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_plan_rebuilds_its_mask_exactly_or_the_mask_is_refused(seed: int) -> None:
+    """Random padding, causal or not, windows, queries after a cache, and one flipped element: every
+    plan's rebuild (``allowed_keys``) is the mask itself, and a mask with no exact plan is refused."""
+    gen = torch.Generator().manual_seed(seed)
+    refused = 0
+    for trial in range(60):
+        batch, kv_len = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 40, (1,), generator=gen))
+        q_len = kv_len if trial % 3 else int(torch.randint(1, kv_len + 1, (1,), generator=gen))
+        lengths = torch.randint(0, kv_len + 1, (batch,), generator=gen).tolist()
+        padding = (left_padded if trial % 2 else right_padded)(lengths, kv_len)
+        window = int(torch.randint(1, kv_len + 2, (1,), generator=gen)) if trial % 4 == 1 else None
+        mask = hf_mask(padding, q_len, causal=trial % 5 != 0, window=window)
+        if trial % 7 == 3:   # a hole or an extra key somewhere
+            mask = mask.clone()
+            b, r, c = (int(torch.randint(0, n, (1,), generator=gen)) for n in (batch, q_len, kv_len))
+            mask[b, 0, r, c] = ~mask[b, 0, r, c]
+        try:
+            plan = hf.mask_plan(mask, batch, q_len, kv_len)
+        except hf.MaskError:
+            refused += 1
+            continue
+        rebuilt = F.allowed_keys(batch, q_len, kv_len, plan.causal, plan.features, plan.seqlens_k, plan.leftpad_k)
+        assert torch.equal(rebuilt[:, 0], mask[:, 0].expand(batch, q_len, kv_len)), (trial, plan)
+    assert refused < 60
+
+
 def test_the_plan_of_a_mask_is_read_once_per_mask_tensor() -> None:
     mask = hf_mask(left_padded([6, 4], 6), 6)
     first = hf.mask_plan(mask, 2, 6, 6)

@@ -75,6 +75,9 @@ def _mask_plan(mask: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
 
 
 def _plan(a: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
+    """The plan of ``a`` (batch, q_len, kv_len), read as intervals: each row's first and last key and
+    how many it sees (three passes over the mask; the rest is per row). A candidate (causal, window,
+    ranges) is exact where every row's keys are the one interval it gives that row."""
     if bool(a.all()):
         return MaskPlan(False)
     device = a.device
@@ -85,21 +88,34 @@ def _plan(a: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
     hi = torch.where(has, torch.where(seen_keys, j + 1, 0).amax(dim=1), 0).to(torch.int32)
     leftpad = lo if bool((lo > 0).any()) else None
     seqlens = hi if bool((hi < kv_len).any()) else None
+    bytes_ = a.to(torch.uint8)
+    count = bytes_.sum(dim=2)                                       # (batch, q_len): keys each row sees
+    first = bytes_.argmax(dim=2)                                    # its first key (argmax: the first maximum)
+    last = kv_len - 1 - bytes_.flip(2).argmax(dim=2)                # its last key
+    seeing = count > 0
+    i = torch.arange(q_len, device=device).view(1, q_len)
     candidates: list[tuple[bool, CallFeatures]] = [(False, PLAIN)]
     if q_len > 1:
-        i = torch.arange(q_len, device=device).view(q_len, 1)
-        diff = (i - j.view(1, kv_len)).expand(batch, q_len, kv_len)   # query position - key position
-        causal = not bool((a & (diff < 0)).any())
-        left = int(diff[a].max())
-        right = int((-diff)[a].max())
+        causal = not bool((seeing & (last > i)).any())
+        left = int(torch.where(seeing, i - first, -kv_len).max())   # query position - key position, at most
+        right = int(torch.where(seeing, last - i, -q_len).max())
         candidates = [(causal, PLAIN)]
         if left >= 0 and (causal or right >= 0):
             candidates.append((causal, CallFeatures(window_left=left, window_right=-1 if causal else right)))
-    ranges = {"seqlens_k": seqlens, "leftpad_k": leftpad}
+    contiguous = (last - first + 1 == count) | ~seeing
     for causal, features in candidates:
-        rebuilt = allowed_keys(batch, q_len, kv_len, causal, features, seqlens, leftpad, device)[:, 0]
-        if torch.equal(rebuilt, a):
-            return MaskPlan(causal, features, **ranges)
+        want_lo = lo.view(batch, 1).long().expand(batch, q_len)
+        want_hi = (hi.view(batch, 1).long() - 1).expand(batch, q_len)
+        if features.window_left >= 0:
+            want_lo = torch.maximum(want_lo, i - features.window_left)
+        if causal:
+            want_hi = torch.minimum(want_hi, i)
+        elif features.window_right >= 0:
+            want_hi = torch.minimum(want_hi, i + features.window_right)
+        sees = want_lo <= want_hi
+        exact = contiguous & (sees == seeing) & (~seeing | ((first == want_lo) & (last == want_hi)))
+        if bool(exact.all()):
+            return MaskPlan(causal, features, seqlens_k=seqlens, leftpad_k=leftpad)
     raise MaskError(
         "hf_attention: the attention mask is not padding (left or right), top-left causal and a sliding window; "
         "the exported kernels express only those (packed sequences, a static cache's unused slots, queries after a "
