@@ -1,9 +1,11 @@
 """The backward of an export against SDPA's (cuDNN, flash) and flash-attn-4's, and a small Llama's
 training step (eager and under torch.compile) with SDPA and with the export (--padded: also on a
-right-padded batch, SDPA with the padding mask, the export with the batch's lengths).
+right-padded batch, SDPA with the padding mask, the export with the batch's lengths; --packed: training
+calls on packed sequences, attention_varlen against SDPA sequence by sequence).
 
     python benchmarks/training_vs_sdpa.py --module best/ [--out bench/] [--quick]
     python benchmarks/training_vs_sdpa.py --module best/ --llama-only --padded
+    python benchmarks/training_vs_sdpa.py --module best/ --no-llama --packed
 
 Rows: B4 H16 S2048 D64 and D128, B8 H16 S4096 D128, GQA B2 H32/8 S4096 D128, B1 H32 S8192
 D128, full and causal, fp16 and bf16 (a row whose variant the export's backward does not cover
@@ -20,9 +22,9 @@ import sys
 from pathlib import Path
 
 from evoengineer.bench.exported import load_module
-from evoengineer.bench.protocol import Summary
-from evoengineer.bench.training import (PADDED_LENGTHS, SHAPES, SIDES, backward_row, llama_step_times, summary_lines,
-                                        time_backwards)
+from evoengineer.bench.protocol import Summary, paired_ratio
+from evoengineer.bench.training import (PACKED_ROWS, PADDED_LENGTHS, SHAPES, SIDES, backward_row, llama_step_times,
+                                        packed_call_times, summary_lines, time_backwards)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 rounds, 10 samples, the first shape only, no Llama")
     parser.add_argument("--no-llama", action="store_true", help="skip the Llama training step")
     parser.add_argument("--llama-only", action="store_true", help="only the Llama training step, eager and compiled")
+    parser.add_argument("--packed", action="store_true",
+                        help="training calls on packed sequences as well (attention_varlen with gradients, H32/8 D128 "
+                             "causal bf16: lengths 1,17,1000,4099 and 16 mixed) against SDPA sequence by sequence")
     parser.add_argument("--padded", action="store_true",
                         help="the Llama step on a padded batch as well (4 rows of 2048/1536/1024/512 tokens, right "
                              "padding): SDPA takes the padding mask, the export its lengths")
@@ -80,9 +85,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"Llama (4 layers, 2048 hidden, {batch}, bf16) training step, {mode}, ms: "
                       + ", ".join(f"{name} {s['median_ms']:.1f}" for name, s in llama[key].items()))
                 sys.stdout.flush()
+    packed: dict[str, dict] = {}
+    if args.packed:
+        for name, lengths in PACKED_ROWS:
+            times = packed_call_times(module, lengths, rounds=3, calls=5, dtype=torch.bfloat16)
+            packed[name] = {side: {"median_ms": Summary.of(ms).median_us, "rounds": ms} for side, ms in times.items()}
+            ratio = paired_ratio(times["evo"], times["sdpa per sequence"])
+            print(f"packed {name} (H32/8 D128 causal bf16) training call, eager, ms: "
+                  + ", ".join(f"{side} {s['median_ms']:.2f}" for side, s in packed[name].items())
+                  + f"; evo time / sdpa per sequence {ratio:.2f}")
+            sys.stdout.flush()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"rows": rows, "llama_step_ms": llama or None}, indent=1))
+        (args.out / "results.json").write_text(json.dumps({"rows": rows, "llama_step_ms": llama or None,
+                                                           "packed_call_ms": packed or None}, indent=1))
     return 0
 
 

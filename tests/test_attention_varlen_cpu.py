@@ -283,6 +283,50 @@ def test_a_call_that_needs_a_gradient_is_refused_or_runs_the_fallback_with_gradi
         assert "dtype torch.float32 has no exported kernel" in _error(module, q, k, v, cu_q, cu_k, 9, 9)
 
 
+def test_a_padded_layout_places_each_sequence_so_top_left_masks_align_bottom_right() -> None:
+    cu = lambda *x: torch.tensor(x, dtype=torch.int32)   # noqa: E731
+    layout = V.padded_layout(cu(0, 2, 2, 7), cu(0, 5, 8, 10), 7, 10, 5, 5)   # L_q 2, 0, 5 over L_k 5, 3, 2
+    assert (layout.batch, layout.seq) == (3, 5)
+    assert layout.rows_q.tolist() == [3, 4, 10, 11, 12, 13, 14]       # queries after L_k - L_q zero rows
+    assert layout.rows_k.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 13, 14]  # keys after L_q - L_k positions
+    ranges = [getattr(layout, n).tolist() for n in ("seqlens_q", "leftpad_k", "seqlens_k")]
+    assert ranges == [[5, 3, 5], [0, 0, 3], [5, 3, 5]] and layout.seqlens_q.dtype == torch.int32
+    assert V.padded_layout(cu(0), cu(0), 0, 0, 0, 0).rows_q.tolist() == []
+    assert V.padded_layout(cu(0, 2), cu(0, 2), 2, 2, 9, 9).seq == 9   # the padded length is the longest given
+
+
+def _dense_reference(q, k, v, is_causal, scale, enable_gqa, window_size, softcap, seqlens_q, leftpad_k, seqlens_k):
+    """The dense attention's keywords over ``features.reference_attention`` (fp32, differentiable)."""
+    features = F.call_features(window_size, softcap, seqlens_k, leftpad_k, seqlens_q)
+    return F.reference_attention(q, k, v, is_causal, scale, enable_gqa, features, seqlens_k, leftpad_k, seqlens_q)
+
+
+@pytest.mark.parametrize("lengths_q,lengths_k", [([5, 1, 9], [5, 1, 9]), ([3, 8, 0], [8, 8, 4]), ([8, 2, 4], [3, 2, 0])],
+                         ids=["equal", "fewer-queries", "more-queries"])
+@pytest.mark.parametrize("causal,window,softcap", [(True, (-1, -1), 0.0), (False, (-1, -1), 0.0), (True, (3, -1), 0.0),
+                                                   (False, (2, 1), 5.0)], ids=["causal", "full", "window", "window-softcap"])
+def test_packed_sequences_train_through_the_padded_batch_as_sequence_by_sequence(lengths_q, lengths_k, causal, window,
+                                                                                  softcap) -> None:
+    """``train_packed`` over a reference dense attention: output and q, k, v gradients equal the packed
+    call's own reference (bottom-right causal and window, rows without keys 0), fp32."""
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, dtype=torch.float32)
+    features = V.varlen_features(window, softcap)
+    offsets = (cu_q.tolist(), cu_k.tolist())
+    layout = V.padded_layout(cu_q, cu_k, q.shape[0], k.shape[0], max(lengths_q), max(lengths_k))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    results = []
+    for run in ("padded", "reference"):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        if run == "padded":
+            out = V.train_packed(_dense_reference, *leaves, layout, causal, 0.3, features)
+        else:
+            out = V.reference_varlen(*leaves, *offsets, causal, 0.3, features)
+        out.backward(grad)
+        results.append((out.detach(), *(t.grad for t in leaves)))
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_the_op_with_the_fallback_runs_through_the_dispatcher(module) -> None:
     q, k, v, cu_q, cu_k = packed([4, 7], [9, 7], dtype=torch.float32)
     out = module.attention_varlen_op(q, k, v, cu_q, cu_k, 7, 9, True, None, -1, -1, 0.0, "sdpa")

@@ -177,3 +177,50 @@ def llama_step_times(module: Any, rounds: int, steps: int, dtype: Any, compiled:
         return start.elapsed_time(end) / steps
 
     return run_rounds(["sdpa", name], rounds, measure)
+
+
+PACKED_ROWS = (("1,17,1000,4099", (1, 17, 1000, 4099)),
+               ("16 mixed", (412, 1873, 96, 2048, 733, 1290, 57, 3100, 988, 1501, 240, 640, 1777, 305, 1024, 2600)))
+"""Packed batches a training call takes: the issue's lengths, and 16 sequences as fine-tuning packs them
+(``features.MIXED``)."""
+
+
+def packed_call_times(module: Any, lengths: Sequence[int], rounds: int, calls: int, dtype: Any, heads: int = 32,
+                      heads_kv: int = 8, head_dim: int = 128, causal: bool = True) -> dict[str, list[float]]:
+    """Milliseconds per training call (forward and the gradients of q, k, v) on packed sequences of
+    ``lengths``, eager, in interleaved rounds of ``calls`` calls: the export's ``attention_varlen`` and
+    SDPA sequence by sequence (``varlen.sdpa_per_sequence``: what a caller without packed kernels runs)."""
+    import itertools
+
+    import torch
+
+    from ..runtime.varlen import sdpa_per_sequence
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    total = sum(lengths)
+    q = torch.randn(total, heads, head_dim, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    k, v = (torch.randn(total, heads_kv, head_dim, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+            for _ in range(2))
+    do = torch.randn(q.shape, device="cuda", dtype=dtype, generator=gen)
+    offsets = [0, *itertools.accumulate(lengths)]
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    longest = max(lengths)
+    sides = {
+        "evo": lambda: module.attention_varlen(q, k, v, cu, cu, longest, longest, is_causal=causal),
+        "sdpa per sequence": lambda: sdpa_per_sequence(q, k, v, offsets, offsets, causal),
+    }
+
+    def measure(side: str) -> float:
+        call = sides[side]
+        for _ in range(2):
+            torch.autograd.grad(call(), (q, k, v), do)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            torch.autograd.grad(call(), (q, k, v), do)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+
+    return run_rounds(list(sides), rounds, measure)

@@ -38,7 +38,8 @@ Packed variable-length sequences, as flash-attn's varlen: attention_varlen(q, k,
 cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False, scale=None, window_size=(-1, -1),
 softcap=0.0, fallback=None) with q (total_q, heads, head_dim), k and v (total_k, heads_kv,
 head_dim), int32 (batch + 1,) offsets; causal and windows align bottom-right there, as
-flash-attn's (varlen.py). Served by the kernels with the varlen feature; inference only.
+flash-attn's (varlen.py). Served by the kernels with the varlen feature; a call that needs a gradient
+trains through the padded batch's kernels (varlen.train_packed).
 
 Each kernel is compiled at first use by NVRTC (cupy.RawModule) for the GPU present and launched
 with cupy.cuda.driver.launchKernel on torch's current stream, reading and writing the tensors in

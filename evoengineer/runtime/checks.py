@@ -107,5 +107,5 @@ def check_grad(backward: BackwardData | None, dtype: str, head_dim: int, causal:
         raise NotImplementedError(
             f"{who}: a gradient is needed (q, k or v requires grad) but this export's backward for {label} has no "
             f"{' and '.join(missing)}{' (deterministic)' if deterministic else ''}; the backward kernels hold a window, "
-            "a soft cap and per-batch key ranges (re-export with a current `evoengineer export`), not packed "
-            "sequences; call under torch.no_grad(), or with fallback='sdpa' (SDPA computes such calls and their gradients)")
+            "a soft cap and per-batch key ranges (re-export with a current `evoengineer export`); call under "
+            "torch.no_grad(), or with fallback='sdpa' (SDPA computes such calls and their gradients)")

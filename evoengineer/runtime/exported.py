@@ -42,7 +42,7 @@ class ExportedAttention:
         self.attention = make_feature_attention(make_attention(self.launcher.forward, self.ops, train),
                                                 self.launcher.forward_features, self.features_op,
                                                 self.launcher.features_with_grad, train)
-        self.varlen = VarlenLauncher(self.launcher)
+        self.varlen = VarlenLauncher(self.launcher, self.attention)
         self.varlen_op = register_varlen_op(data.op_namespace, self.varlen.forward, self.coverage)
         self.attention_varlen = make_varlen_attention(self.varlen.forward, self.varlen_op, self.varlen.with_grad)
         self.hf_attention = make_hf_attention(self.attention, self.gqa)

@@ -25,18 +25,20 @@ A check holds for the same two tensors while torch's version counter says neithe
 (``CheckedOffsets``): a model's layers, called with one pair, copy it once. Contents written
 behind torch's back (a raw kernel, a CUDA graph's replay) are not read again, nor, while a CUDA
 graph is being captured, at all: they are taken as given, as flash-attn takes them.
-``fallback='sdpa'`` runs SDPA per sequence for a call no kernel covers, and for a call whose
-inputs require grad (the backward kernels take no packed sequences), counted in
-``fallback_counts()``; without it such calls raise in one line.
+A call whose inputs require grad trains through the export's dense kernels on a padded batch that
+holds the sequences (``padded_layout``, ``train_packed``: its LSE forward and its backward with
+per-batch ranges). ``fallback='sdpa'`` runs SDPA per sequence for a call no kernel covers, or whose
+gradient the export's backward does not cover, counted in ``fallback_counts()``; without it such
+calls raise in one line.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 
-from .checks import DTYPE_NAMES, Coverage, check_layout, check_variant
+from .checks import DTYPE_NAMES, Coverage, check_grad, check_layout, check_variant
 from .features import CallFeatures, FallbackCounts, Uncovered, allowed_keys, attend, call_features
 from .features import check_fallback, select_kernel
 from .held import HeldResults
@@ -46,9 +48,9 @@ WHO = "attention_varlen"
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
           "bool is_causal=False, float? scale=None, int window_left=-1, int window_right=-1, float softcap=0.0, "
           "str? fallback=None) -> Tensor")
-GRAD_REASON = "a gradient is needed (q, k or v requires grad) and the backward kernels take no packed sequences"
-GRAD_ERROR = (f"{WHO}: {GRAD_REASON}; call under torch.no_grad(), or with fallback='sdpa' (SDPA per sequence computes "
-              "such calls and their gradients)")
+GRAD_REASON = "a gradient is needed (q, k or v requires grad) and this export's backward does not cover the call"
+GRAD_ERROR = (f"{WHO}: {GRAD_REASON} ({{why}}); call under torch.no_grad(), or with fallback='sdpa' (SDPA per sequence "
+              "computes such calls and their gradients)")
 CAPTURING: Callable[[], bool] = torch.cuda.is_current_stream_capturing
 
 
@@ -203,6 +205,65 @@ def sdpa_per_sequence(q: Any, k: Any, v: Any, offsets_q: list[int], offsets_k: l
     return torch.cat(pieces) if pieces else q.new_zeros(q.shape)
 
 
+# -- training: packed sequences through the padded batch's kernels ----------------------------------
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    """Packed sequences placed in a padded batch (``batch`` rows of ``seq`` positions) where the dense
+    kernels' top-left causal mask and window are the packed call's bottom-right ones: sequence b's
+    queries sit at positions shift_q .. shift_q + L_q - 1 and its keys at shift_k .. shift_k + L_k - 1,
+    shift_q - shift_k = L_k - L_q (one of them 0). Positions before shift_q hold zero queries whose
+    outputs are dropped (their output gradient is 0, so they add nothing to dK, dV). Tensors on the
+    offsets' device: ``rows_q``, ``rows_k`` each packed token's row (b * seq + position) in the padded
+    layout (int64), ``seqlens_q``, ``leftpad_k``, ``seqlens_k`` the padded call's ranges (int32)."""
+
+    batch: int
+    seq: int
+    rows_q: Any
+    rows_k: Any
+    seqlens_q: Any
+    leftpad_k: Any
+    seqlens_k: Any
+
+
+def padded_layout(cu_seqlens_q: Any, cu_seqlens_k: Any, total_q: int, total_k: int, max_seqlen_q: int,
+                  max_seqlen_k: int) -> PaddedLayout:
+    """The padded batch of ``max(max_seqlen_q, max_seqlen_k)`` positions that holds packed sequences of
+    these offsets (``PaddedLayout``), computed on their device without reading them."""
+    batch = int(cu_seqlens_q.shape[0]) - 1
+    seq = max(int(max_seqlen_q), int(max_seqlen_k), 1)
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    shift_q, shift_k = (len_k - len_q).clamp_min(0), (len_q - len_k).clamp_min(0)
+    sequences = torch.arange(batch, device=cu_q.device)
+
+    def rows(lengths: Any, cu: Any, shift: Any, total: int) -> Any:
+        b = torch.repeat_interleave(sequences, lengths, output_size=total)   # each token's sequence
+        return b * seq + shift[b] + torch.arange(total, device=cu.device) - cu[b]
+
+    return PaddedLayout(batch, seq, rows(len_q, cu_q, shift_q, total_q), rows(len_k, cu_k, shift_k, total_k),
+                        (shift_q + len_q).int(), shift_k.int(), (shift_k + len_k).int())
+
+
+def train_packed(attention: Callable[..., Any], q: Any, k: Any, v: Any, layout: PaddedLayout, is_causal: bool,
+                 scale: float | None, features: CallFeatures) -> Any:
+    """A packed call computed by ``attention`` (the export's, or a reference) on the padded batch of
+    ``layout``: q, k and v copied into it, the output copied back; differentiable (the copies are
+    torch's index operations, the attention its own autograd)."""
+    rows_q, rows_k = layout.rows_q, layout.rows_k
+    ranges = {name: getattr(layout, name) for name in ("seqlens_q", "leftpad_k", "seqlens_k")}
+
+    def padded(t: Any, rows: Any) -> Any:
+        flat = t.new_zeros(layout.batch * layout.seq, *t.shape[1:]).index_copy(0, rows, t)
+        return flat.view(layout.batch, layout.seq, *t.shape[1:]).transpose(1, 2)   # (batch, heads, seq, head_dim)
+
+    out = attention(padded(q, rows_q), padded(k, rows_k), padded(v, rows_k), is_causal=bool(is_causal), scale=scale,
+                    enable_gqa=k.shape[1] != q.shape[1], window_size=(features.window_left, features.window_right),
+                    softcap=features.softcap or None, **ranges)
+    return out.transpose(1, 2).reshape(layout.batch * layout.seq, *q.shape[1:]).index_select(0, rows_q)
+
+
 # -- the launches -------------------------------------------------------------------------------------
 
 
@@ -229,8 +290,9 @@ def packed_strides(t: Any) -> tuple[int, int, int]:
 class VarlenLauncher:
     """Plans (per thread, in the launcher's cache) and the forward of varlen calls of one export."""
 
-    def __init__(self, launcher: Launcher) -> None:
+    def __init__(self, launcher: Launcher, attention: Callable[..., Any] | None = None) -> None:
         self.launcher = launcher
+        self.attention = attention   # the export's dense attention: calls that need a gradient train through it
         self.fallbacks: FallbackCounts = launcher.fallbacks
         self.checked = CheckedOffsets()
         self.forward = self._make_forward()
@@ -319,18 +381,38 @@ class VarlenLauncher:
     def with_grad(self, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
                   max_seqlen_k: int, is_causal: bool, scale: float | None, features: CallFeatures,
                   fallback: str | None) -> Any:
-        """A call whose inputs require grad: SDPA per sequence (differentiable, counted) with
-        ``fallback``, otherwise NotImplementedError in one line."""
-        if fallback is None:
-            raise NotImplementedError(GRAD_ERROR)
+        """A call whose inputs require grad: the export's attention on the padded batch that holds the
+        sequences (``train_packed``: its LSE forward and backward with per-batch ranges) where its backward
+        covers the call; else SDPA per sequence (differentiable, counted) with ``fallback``, otherwise
+        NotImplementedError in one line."""
+        why = ""
         try:
             check_varlen(self.launcher.coverage, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          is_causal, scale)
-        except Uncovered:
-            pass   # the fallback computes it anyway
-        offsets = check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+            why = self.untrainable(q, is_causal, features)
+        except Uncovered as exc:
+            why = str(exc)
+        if why and fallback is None:
+            raise NotImplementedError(GRAD_ERROR.format(why=why.removeprefix(f"{WHO}: ").removeprefix("attention: ")))
+        offsets = self.checked.get(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+        if not why:
+            layout = padded_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+            return train_packed(self.attention, q, k, v, layout, is_causal, scale, features)
         self.fallbacks.add(GRAD_REASON)
         return reference_varlen(q, k, v, *offsets, is_causal, scale, features)
+
+    def untrainable(self, q: Any, is_causal: bool, features: CallFeatures) -> str:
+        """Why the export's backward cannot train such a call on a padded batch ('' where it can): its
+        (dtype, head dim, causal) with per-batch ranges and the call's window and soft cap."""
+        if self.attention is None:
+            return "no attention to train through"
+        needed = replace(features, varlen=False, seqlens=True).needed(bool(is_causal))
+        try:
+            check_grad(self.launcher.data.backward, DTYPE_NAMES.get(q.dtype, str(q.dtype)), int(q.shape[-1]),
+                       bool(is_causal), WHO, needed)
+        except NotImplementedError as exc:
+            return str(exc).split(" but ", 1)[-1].split("; ", 1)[0]
+        return ""
 
 
 # -- the custom op and the function a user calls ----------------------------------------------------
