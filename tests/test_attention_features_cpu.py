@@ -199,6 +199,24 @@ def test_the_plan_of_a_mask_is_read_once_per_mask_tensor() -> None:
         hf.mask_plan(mask, 2, 6, 6)
 
 
+def test_the_layers_of_a_model_read_their_one_mask_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hf_attention keeps the mask it is given (cut to the keys only inside the plan), so every layer's
+    call with it finds its plan held: one read a forward, also where the mask is longer than the keys."""
+    reads = []
+    plan_of = hf._mask_plan
+    monkeypatch.setattr(hf, "_mask_plan", lambda *args: reads.append(args[1:]) or plan_of(*args))
+    calls = []
+    attention = hf.make_hf_attention(lambda q, k, v, **kw: calls.append(kw) or q, gqa=True)
+    q, k = torch.zeros(2, 4, 6, 8), torch.zeros(2, 2, 6, 8)
+    padding = hf_mask(left_padded([6, 4], 6), 6)
+    static = torch.cat([padding, torch.zeros(2, 1, 6, 4, dtype=torch.bool)], dim=-1)   # a static cache's: 10 slots
+    for mask in (padding, static):
+        reads.clear()
+        for _ in range(4):   # four layers
+            attention(None, q, k, k, mask)
+        assert len(reads) == 1 and calls[-1]["leftpad_k"].tolist() == [0, 2] and calls[-1]["is_causal"]
+
+
 def test_under_torch_compile_the_mask_plan_runs_outside_the_graph_without_graph_break_warnings() -> None:
     import logging
 

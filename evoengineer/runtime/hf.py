@@ -66,8 +66,13 @@ def mask_plan(mask: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
     return _MASK_PLANS.get((mask,), (batch, q_len, kv_len), lambda: _mask_plan(mask, batch, q_len, kv_len))
 
 
+def _keys_of(mask: Any, kv_len: int) -> Any:
+    """A 4-D mask cut to the first ``kv_len`` keys (as sdpa_attention_forward cuts a static cache's)."""
+    return mask[:, :, :, :kv_len] if mask.dim() == 4 and mask.shape[-1] != kv_len else mask
+
+
 def _mask_plan(mask: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
-    allowed = allowed_from_mask(mask, q_len, kv_len)
+    allowed = allowed_from_mask(_keys_of(mask, kv_len), q_len, kv_len)
     if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
         raise MaskError("hf_attention: the attention mask differs between heads; the exported kernels take one mask "
                         "per batch")
@@ -77,8 +82,9 @@ def _mask_plan(mask: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
 def _plan(a: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
     """The plan of ``a`` (batch, q_len, kv_len), read as intervals: each row's first and last key and
     how many it sees (three passes over the mask; the rest is per row). A candidate (causal, window,
-    ranges) is exact where every row's keys are the one interval it gives that row."""
-    if bool(a.all()):
+    ranges) is exact where every row's keys are the one interval it gives that row. Two reads on the
+    host: the mask's summary, then every candidate's check."""
+    if a.numel() == 0:
         return MaskPlan(False)
     device = a.device
     seen_keys = a.any(dim=1)                                        # (batch, kv_len): keys some query sees
@@ -86,23 +92,30 @@ def _plan(a: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
     j = torch.arange(kv_len, device=device)
     lo = torch.where(has, torch.where(seen_keys, j, kv_len).amin(dim=1), 0).to(torch.int32)
     hi = torch.where(has, torch.where(seen_keys, j + 1, 0).amax(dim=1), 0).to(torch.int32)
-    leftpad = lo if bool((lo > 0).any()) else None
-    seqlens = hi if bool((hi < kv_len).any()) else None
     bytes_ = a.to(torch.uint8)
     count = bytes_.sum(dim=2)                                       # (batch, q_len): keys each row sees
     first = bytes_.argmax(dim=2)                                    # its first key (argmax: the first maximum)
     last = kv_len - 1 - bytes_.flip(2).argmax(dim=2)                # its last key
     seeing = count > 0
     i = torch.arange(q_len, device=device).view(1, q_len)
+    summary = torch.stack([
+        (count == kv_len).all().long(), (lo > 0).any().long(), (hi < kv_len).any().long(),
+        (seeing & (last > i)).any().long(),                           # a key after its row: not causal
+        torch.where(seeing, i - first, -kv_len).max(),                # query position - key position, at most
+        torch.where(seeing, last - i, -q_len).max()]).tolist()
+    everything, padded_left, padded_right, after_row, left, right = summary
+    if everything:
+        return MaskPlan(False)
+    leftpad = lo if padded_left else None
+    seqlens = hi if padded_right else None
     candidates: list[tuple[bool, CallFeatures]] = [(False, PLAIN)]
     if q_len > 1:
-        causal = not bool((seeing & (last > i)).any())
-        left = int(torch.where(seeing, i - first, -kv_len).max())   # query position - key position, at most
-        right = int(torch.where(seeing, last - i, -q_len).max())
+        causal = not after_row
         candidates = [(causal, PLAIN)]
         if left >= 0 and (causal or right >= 0):
             candidates.append((causal, CallFeatures(window_left=left, window_right=-1 if causal else right)))
     contiguous = (last - first + 1 == count) | ~seeing
+    checks = []
     for causal, features in candidates:
         want_lo = lo.view(batch, 1).long().expand(batch, q_len)
         want_hi = (hi.view(batch, 1).long() - 1).expand(batch, q_len)
@@ -113,8 +126,9 @@ def _plan(a: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
         elif features.window_right >= 0:
             want_hi = torch.minimum(want_hi, i + features.window_right)
         sees = want_lo <= want_hi
-        exact = contiguous & (sees == seeing) & (~seeing | ((first == want_lo) & (last == want_hi)))
-        if bool(exact.all()):
+        checks.append((contiguous & (sees == seeing) & (~seeing | ((first == want_lo) & (last == want_hi)))).all())
+    for (causal, features), exact in zip(candidates, torch.stack(checks).tolist()):
+        if exact:
             return MaskPlan(causal, features, seqlens_k=seqlens, leftpad_k=leftpad)
     raise MaskError(
         "hf_attention: the attention mask is not padding (left or right), top-left causal and a sliding window; "
@@ -157,16 +171,15 @@ def make_hf_attention(attention: Callable[..., Any], gqa: bool, fallback: str | 
         if softcap is None:
             softcap = getattr(module, "attn_logit_softcapping", None)
         softcap = float(softcap) if softcap else None
-        if attention_mask is not None and attention_mask.dim() == 4:
-            attention_mask = attention_mask[:, :, :, :kv_len]
-        try:
+        try:   # the mask as given (its plan held across the layers), cut to the keys there
             plan = _call_plan(module, attention_mask, batch, q_len, kv_len, kwargs, query.device)
         except MaskError as exc:
             if fallback is None:
                 raise
             if counts is not None:
                 counts.add(str(exc).split(";")[0].removeprefix("hf_attention: "))
-            mask = attention_mask if attention_mask is not None else _window_mask(q_len, kv_len, kwargs, query.device)
+            mask = (_keys_of(attention_mask, kv_len) if attention_mask is not None
+                    else _window_mask(q_len, kv_len, kwargs, query.device))
             out = attend(query, key, value, mask, scaling, softcap)
             return out.transpose(1, 2).contiguous(), None
         heads, heads_kv = query.shape[1], key.shape[1]
