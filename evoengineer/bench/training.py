@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from .features import MIXED
 from .protocol import Summary, geomean, paired_ratio, run_rounds
 from .rotation import attention_set_bytes, cold_set_count
 
@@ -179,8 +180,7 @@ def llama_step_times(module: Any, rounds: int, steps: int, dtype: Any, compiled:
     return run_rounds(["sdpa", name], rounds, measure)
 
 
-PACKED_ROWS = (("1,17,1000,4099", (1, 17, 1000, 4099)),
-               ("16 mixed", (412, 1873, 96, 2048, 733, 1290, 57, 3100, 988, 1501, 240, 640, 1777, 305, 1024, 2600)))
+PACKED_ROWS = (("1,17,1000,4099", (1, 17, 1000, 4099)), ("16 mixed", MIXED))
 """Packed batches a training call takes: the issue's lengths, and 16 sequences as fine-tuning packs them
 (``features.MIXED``)."""
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from .features import PLAIN, CallFeatures, FallbackCounts, allowed_keys, attend, check_fallback
+from .features import PLAIN, CallFeatures, FallbackCounts, attend, check_fallback
 from .held import HeldResults
 
 UNSUPPORTED_KWARGS = {
@@ -115,10 +115,10 @@ def _plan(a: Any, batch: int, q_len: int, kv_len: int) -> MaskPlan:
         if left >= 0 and (causal or right >= 0):
             candidates.append((causal, CallFeatures(window_left=left, window_right=-1 if causal else right)))
     contiguous = (last - first + 1 == count) | ~seeing
+    range_lo, range_hi = lo.view(batch, 1).long(), hi.view(batch, 1).long() - 1   # the batch's keys
     checks = []
     for causal, features in candidates:
-        want_lo = lo.view(batch, 1).long().expand(batch, q_len)
-        want_hi = (hi.view(batch, 1).long() - 1).expand(batch, q_len)
+        want_lo, want_hi = range_lo.expand(batch, q_len), range_hi.expand(batch, q_len)
         if features.window_left >= 0:
             want_lo = torch.maximum(want_lo, i - features.window_left)
         if causal:
